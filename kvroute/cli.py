@@ -1,0 +1,123 @@
+"""The ``kvroute`` command. Subcommands import their heavy modules lazily, so the gateway side
+never pays for torch."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from kvroute.blocks import DEFAULT_BLOCK_SIZE
+
+
+def _add_replica_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replica", help="serve one model with the torch engine (OpenAI-compatible)")
+    p.add_argument("--model", type=Path, help="HF model directory (default: prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", help="model name clients ask for (default: the directory name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument(
+        "--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="tokens per KV page / hashed block"
+    )
+    p.add_argument(
+        "--kv-cache-tokens", type=int, help="KV pool size in tokens (overrides --kv-cache-memory-gb)"
+    )
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool memory budget in GiB")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences decoded together at most")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="per-step token budget")
+    p.add_argument("--max-model-len", type=int, help="context window (default: the model's)")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_replica(args: argparse.Namespace) -> None:
+    from replica.engine_config import EngineConfig
+    from replica.server import run_server
+
+    model = args.model
+    if model is None:
+        from replica.prepare_model import prepare_default_model
+
+        model = prepare_default_model()
+    config = EngineConfig(
+        model=model,
+        served_model_name=args.served_model_name,
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads,
+        block_size=args.block_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_cache_memory_gb=args.kv_cache_memory_gb,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        seed=args.seed,
+    )
+    run_server(config, args.host, args.port, max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+
+
+def _run_prepare_model(args: argparse.Namespace) -> None:
+    from replica.prepare_model import prepare_default_model
+
+    print(prepare_default_model(args.out))
+
+
+def _run_make_test_model(args: argparse.Namespace) -> None:
+    from replica.test_models import make_test_model
+
+    print(make_test_model(args.arch, args.out, seed=args.seed, num_shards=args.shards))
+
+
+def _run_memory(args: argparse.Namespace) -> None:
+    from replica.memory_planner import format_plan, load_config, plan_memory
+
+    plan = plan_memory(load_config(args.model), args.context, args.gpu_memory)
+    print(format_plan(plan))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_replica_parser(sub)
+    p = sub.add_parser(
+        "prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to an HF directory"
+    )
+    p.add_argument("--out", type=Path, help="target directory (default: ~/.cache/kvroute/models/...)")
+    p = sub.add_parser("make-test-model", help="write a tiny random-weight model for tests")
+    p.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
+    p = sub.add_parser("memory", help="weights and KV-cache memory for a model config")
+    p.add_argument("model", type=Path, help="model directory or config.json")
+    p.add_argument("--context", type=int, default=131072, help="tokens of context to size KV for")
+    p.add_argument("--gpu-memory", type=float, help="GPU memory in GiB: how many KV tokens fit")
+    return parser
+
+
+_HANDLERS = {
+    "replica": _run_replica,
+    "prepare-model": _run_prepare_model,
+    "make-test-model": _run_make_test_model,
+    "memory": _run_memory,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        _HANDLERS[args.command](args)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Attention over the paged KV pool for a step that mixes decodes and (chunked) prefills.
+
+Tokens of one step are laid out flat: first one token per decoding sequence, then each prefill
+chunk. New K/V are written into their pool slots first; attention then reads every sequence's
+whole context back from the pool, so cached prefixes, earlier chunks and this step's tokens are
+all one thing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    """One sequence's chunk of ``length`` new tokens at flat offset ``start``."""
+
+    start: int
+    length: int
+    context_slots: torch.Tensor | None  # pool slots of the whole context; None: no earlier context
+    mask: torch.Tensor | None  # [length, context] bottom-right causal; None: plain causal
+
+
+@dataclass
+class AttentionBatch:
+    """Per-step metadata, built once and shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes
+    num_decodes: int  # the first num_decodes tokens are single-token decodes
+    decode_slots: torch.Tensor | None  # [decodes, longest context] pool slots (padded)
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, longest] True where real; None if unpadded
+    prefills: list[PrefillSpan]
+
+
+def bottom_right_causal_mask(num_queries: int, num_keys: int, device: torch.device | str) -> torch.Tensor:
+    """Query i sits at key position ``num_keys - num_queries + i`` and sees keys up to there.
+
+    SDPA's ``is_causal`` aligns the triangle top-left, which is wrong when the queries are the tail
+    of a longer context (chunked prefill, prefix-cache hits).
+    """
+    offset = num_keys - num_queries
+    rows = torch.arange(num_queries, device=device).unsqueeze(1)
+    cols = torch.arange(num_keys, device=device).unsqueeze(0)
+    return cols <= rows + offset
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    batch: AttentionBatch,
+) -> torch.Tensor:
+    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; caches: [slots, kv_heads, dim]."""
+    k_cache.index_copy_(0, batch.slot_mapping, k)
+    v_cache.index_copy_(0, batch.slot_mapping, v)
+    outputs: list[torch.Tensor] = []
+    if batch.num_decodes:
+        assert batch.decode_slots is not None
+        qd = q[: batch.num_decodes].unsqueeze(2)
+        kd = _gather(k_cache, batch.decode_slots).transpose(1, 2)
+        vd = _gather(v_cache, batch.decode_slots).transpose(1, 2)
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=True)
+        outputs.append(out.squeeze(2))
+    for span in batch.prefills:
+        end = span.start + span.length
+        qp = q[span.start : end].transpose(0, 1).unsqueeze(0)
+        if span.context_slots is None:
+            kp, vp = k[span.start : end], v[span.start : end]
+        else:
+            kp, vp = _gather(k_cache, span.context_slots), _gather(v_cache, span.context_slots)
+        out = F.scaled_dot_product_attention(
+            qp,
+            kp.transpose(0, 1).unsqueeze(0),
+            vp.transpose(0, 1).unsqueeze(0),
+            attn_mask=span.mask,
+            is_causal=span.mask is None,
+            enable_gqa=True,
+        )
+        outputs.append(out[0].transpose(0, 1))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache rows at ``slots`` (any shape), as [*slots.shape, kv_heads, dim]; faster than indexing."""
+    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])

@@ -1,0 +1,181 @@
+"""The decoder-only transformer shared by Llama, Qwen2 and Qwen3 checkpoints.
+
+Weights are plain tensors, q/k/v and gate/up fused into one matmul each, so a step costs few
+kernel launches. The arithmetic follows transformers' eager implementation op for op (RMSNorm in
+fp32, rotary tables in fp32), which is what lets tests compare logits to 1e-4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from replica.attention import AttentionBatch, paged_attention
+from replica.model_config import ModelConfig
+from replica.rotary import RotaryEmbedding, apply_rotary
+from replica.weights import iter_tensors
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+class DecoderLM:
+    """Forward pass over a flat batch of tokens with K/V kept in the paged pool."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        rotary: RotaryEmbedding,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.norm = norm
+        self.lm_head = lm_head
+        self.rotary = rotary
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def weight_bytes(self) -> int:
+        tensors = [self.embed, self.norm, self.lm_head]
+        for layer in self.layers:
+            tensors += [t for t in vars(layer).values() if t is not None]
+        unique = {t.data_ptr(): t for t in tensors}
+        return sum(t.numel() * t.element_size() for t in unique.values())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        batch: AttentionBatch,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """Returns the final-normed hidden states [tokens, hidden]; kv_cache: [layers, 2, slots, ...]."""
+        cfg = self.config
+        hidden = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary.tables(positions)
+        tokens = input_ids.shape[0]
+        for index, layer in enumerate(self.layers):
+            residual = hidden
+            h = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            q = q.view(tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
+                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
+            q = apply_rotary(q, cos, sin)
+            k = apply_rotary(k, cos, sin)
+            attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], batch)
+            hidden = residual + F.linear(attn.reshape(tokens, self.q_size), layer.o, layer.o_bias)
+            residual = hidden
+            h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
+            hidden = residual + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+        return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head).float()
+
+    @classmethod
+    def load(cls, model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str) -> DecoderLM:
+        """Reads the checkpoint; a missing or unexpected tensor is an error naming it."""
+        tensors = dict(iter_tensors(model_dir, dtype, device))
+        tensors = {name: t for name, t in tensors.items() if not name.endswith("rotary_emb.inv_freq")}
+        take = _Taker(tensors)
+        layers = [_load_layer(take, config, i) for i in range(config.num_layers)]
+        embed = take("model.embed_tokens.weight")
+        norm = take("model.norm.weight")
+        if config.tie_word_embeddings:
+            tensors.pop("lm_head.weight", None)
+            lm_head = embed
+        else:
+            lm_head = take("lm_head.weight")
+        if tensors:
+            raise ValueError(f"unexpected tensors in checkpoint: {sorted(tensors)[:8]}")
+        rotary = RotaryEmbedding(
+            config.head_dim,
+            config.max_position_embeddings,
+            config.rope_theta,
+            config.rope_scaling,
+            dtype,
+            device,
+        )
+        return cls(config, embed, layers, norm, lm_head, rotary)
+
+
+class _Taker:
+    """Pops tensors by name so leftovers can be reported as unexpected."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def __call__(self, name: str, required: bool = True) -> torch.Tensor | None:
+        if name not in self.tensors:
+            if required:
+                raise ValueError(f"checkpoint is missing tensor {name!r}")
+            return None
+        return self.tensors.pop(name)
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    present = [p for p in parts if p is not None]
+    if not present:
+        return None
+    if len(present) != len(parts):
+        raise ValueError("checkpoint has biases on some fused projections but not others")
+    return torch.cat(present, dim=0).contiguous()
+
+
+def _load_layer(take: _Taker, config: ModelConfig, index: int) -> LayerWeights:
+    prefix = f"model.layers.{index}."
+    attn, mlp = prefix + "self_attn.", prefix + "mlp."
+    bias = config.qkv_bias
+    return LayerWeights(
+        input_norm=take(prefix + "input_layernorm.weight"),
+        qkv=_cat([take(attn + f"{p}_proj.weight") for p in "qkv"]),
+        qkv_bias=_cat([take(attn + f"{p}_proj.bias", bias) for p in "qkv"]) if bias else None,
+        q_norm=take(attn + "q_norm.weight") if config.qk_norm else None,
+        k_norm=take(attn + "k_norm.weight") if config.qk_norm else None,
+        o=take(attn + "o_proj.weight"),
+        o_bias=take(attn + "o_proj.bias") if config.o_bias else None,
+        post_norm=take(prefix + "post_attention_layernorm.weight"),
+        gate_up=_cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
+        gate_up_bias=(
+            _cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]) if config.mlp_bias else None
+        ),
+        down=take(mlp + "down_proj.weight"),
+        down_bias=take(mlp + "down_proj.bias") if config.mlp_bias else None,
+    )

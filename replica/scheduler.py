@@ -1,0 +1,130 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step: every running decode gets its one token first (so a long prompt never stalls them),
+then partially prefilled sequences get chunks, then waiting sequences are admitted while there
+is budget, sequence slots and KV pages. When a decode cannot get a page, the youngest running
+sequence is preempted: its pages are released (full pages stay in the prefix cache) and it is
+recomputed later, usually hitting that cache.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from replica.kv_manager import KVManager
+from replica.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    decodes: list[Sequence] = field(default_factory=list)
+    prefills: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, chunk tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.decodes or self.prefills)
+
+
+class Scheduler:
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.token_budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is the first to preempt
+        self.num_preemptions = 0
+
+    @property
+    def waiting_prefill_tokens(self) -> int:
+        return sum(seq.num_uncomputed for seq in self.waiting) + sum(
+            seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1
+        )
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a finished or aborted sequence out and frees its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.kv.commit(seq)
+            self.kv.release(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_decodes(batch, self.token_budget)
+        budget = self._schedule_prefill_chunks(batch, budget)
+        self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in [s for s in self.running if s.num_uncomputed == 1]:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.kv.reserve(seq, seq.num_computed + 1):
+                victim = self._youngest_unscheduled(batch)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                batch.decodes.append(seq)
+                budget -= 1
+        return budget
+
+    def _schedule_prefill_chunks(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in [s for s in self.running if s.num_uncomputed > 1]:
+            if budget == 0:
+                break
+            chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
+            if chunk:
+                batch.prefills.append((seq, chunk))
+                budget -= chunk
+        return budget
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
+                return
+            if seq.wait_for is not None and not _prompt_cached(seq.wait_for):
+                continue
+            self.kv.admit(seq)
+            chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
+            if not chunk:
+                self.kv.release(seq)
+                return
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.prefills.append((seq, chunk))
+            budget -= chunk
+
+    def _fit_chunk(self, seq: Sequence, wanted: int) -> int:
+        """The largest chunk up to ``wanted`` tokens whose pages can be had without preempting."""
+        size = self.kv.page_size
+        pages_held = len(seq.page_table)
+        free_tokens = (pages_held + self.kv.available_pages()) * size - seq.num_computed
+        chunk = min(wanted, free_tokens)
+        if chunk <= 0 or not self.kv.reserve(seq, seq.num_computed + chunk):
+            return 0
+        return chunk
+
+    def _youngest_unscheduled(self, batch: ScheduledBatch) -> Sequence:
+        scheduled = {id(s) for s in batch.decodes}
+        return next(s for s in reversed(self.running) if id(s) not in scheduled)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.commit(seq)
+        self.kv.release(seq)
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+
+def _prompt_cached(first: Sequence) -> bool:
+    """True once the first choice's prompt K/V is written (and its full pages are in the tree)."""
+    return first.is_finished or first.num_computed >= first.num_prompt_tokens

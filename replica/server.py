@@ -1,0 +1,225 @@
+"""The replica's HTTP face: OpenAI routes, vLLM's /tokenize, /detokenize, /health and /metrics.
+
+Every failure leaves as an OpenAI error object: validation and limits as 4xx, anything unexpected
+as a logged 500, never Starlette's plain-text or HTML pages, because clients parse every reply.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kvroute.errors import APIError, internal_error, model_not_found
+from kvroute.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    parse_request,
+)
+from replica.async_engine import AsyncEngine
+from replica.engine_config import EngineConfig
+from replica.metrics import ReplicaMetrics
+from replica.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+
+log = logging.getLogger("kvroute.replica")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    """Turns whatever a handler raises into an OpenAI error reply (500s logged with traceback)."""
+
+    @functools.wraps(handler)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as error:
+            return error.to_response()
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            return internal_error().to_response()
+
+    return guarded
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    return APIError(str(exc.detail), exc.status_code).to_response()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` (never read in full)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise APIError("Invalid Content-Length header.")
+    if declared is not None and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"Request body too large: the limit is {limit} bytes.", 413, code="request_too_large")
+
+
+class _ReplicaAPI:
+    """The route handlers of one app, bound to its engine."""
+
+    def __init__(self, engine: AsyncEngine, max_body_bytes: int) -> None:
+        self.engine = engine
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ReplicaMetrics(engine.stats, engine.served_model_name)
+        self.serving = OpenAIServing(engine, self.metrics)
+        self.created = int(time.time())
+
+    def routes(self) -> list[Route]:
+        endpoints: list[tuple[str, Handler, str]] = [
+            ("/v1/chat/completions", self.chat, "POST"),
+            ("/v1/completions", self.completions, "POST"),
+            ("/v1/models", self.models, "GET"),
+            ("/v1/models/{model:path}", self.model, "GET"),
+            ("/tokenize", self.tokenize, "POST"),
+            ("/detokenize", self.detokenize, "POST"),
+            ("/health", self.health, "GET"),
+            ("/metrics", self.prometheus, "GET"),
+        ]
+        return [Route(path, _openai_errors(handler), methods=[method]) for path, handler, method in endpoints]
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.engine.served_model_name:
+            raise model_not_found(model)
+
+    async def chat(self, request: Request) -> Response:
+        body = parse_request(ChatCompletionRequest, await read_body(request, self.max_body_bytes))
+        self._check_model(body.model)
+        return await self.serving.chat(body, request)
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_request(CompletionRequest, await read_body(request, self.max_body_bytes))
+        self._check_model(body.model)
+        return await self.serving.completions(body, request)
+
+    def _model_card(self) -> dict[str, Any]:
+        name = self.engine.served_model_name
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvroute",
+            "root": name,
+            "parent": None,
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    async def models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        self._check_model(request.path_params["model"])
+        return JSONResponse(self._model_card())
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: plain text adds special tokens by default, a chat does not."""
+        body = parse_request(TokenizeRequest, await read_body(request, self.max_body_bytes))
+        self._check_model(body.model)
+        tokenizer = self.engine.tokenizer
+        if body.prompt is not None:
+            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+        else:
+            messages, tools, template_kwargs = body.template_inputs()
+            try:
+                text = tokenizer.render_chat(messages, tools, body.add_generation_prompt, **template_kwargs)
+            except ValueError as error:
+                raise APIError(
+                    f"Invalid 'messages': {error}", param="messages", code="invalid_value"
+                ) from None
+            tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        return JSONResponse(
+            {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        body = parse_request(DetokenizeRequest, await read_body(request, self.max_body_bytes))
+        self._check_model(body.model)
+        vocab_size = self.engine.tokenizer.vocab_size
+        if body.tokens and max(body.tokens) >= vocab_size:
+            raise APIError(
+                f"Invalid 'tokens': token id {max(body.tokens)} is out of vocabulary (size {vocab_size}).",
+                param="tokens",
+                code="invalid_value",
+            )
+        return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+
+    async def health(self, request: Request) -> Response:
+        if not self.engine.is_running:
+            raise APIError("The engine is not running.", 503)
+        return Response(status_code=200)
+
+    async def prometheus(self, request: Request) -> Response:
+        body, content_type = self.metrics.render()
+        return Response(body, headers={"Content-Type": content_type})
+
+
+def build_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
+    """The replica app; its lifespan starts the engine thread and shuts it down on exit."""
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    api = _ReplicaAPI(engine, max_body_bytes)
+    return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_server(
+    config: EngineConfig,
+    host: str,
+    port: int,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+) -> None:
+    """Load the model, then serve it until SIGINT/SIGTERM (in-flight requests get to finish)."""
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level.upper())  # also when a caller configured logging first
+    engine = AsyncEngine.from_config(config)
+    app = build_app(engine, max_body_bytes=max_body_bytes)
+    log.info("serving %s at %s/v1", engine.served_model_name, _url(host, port))
+    uvicorn.run(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )

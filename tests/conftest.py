@@ -1,0 +1,39 @@
+"""Shared fixtures: tiny random-weight models (built once per session) and engines over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from replica.engine import LLMEngine
+from replica.engine_config import EngineConfig
+from replica.kv_events import KVEventOutbox
+from replica.test_models import make_test_model
+
+
+@pytest.fixture(scope="session")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_test_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_test_model("qwen3", tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+EngineFactory = Callable[..., LLMEngine]
+
+
+@pytest.fixture
+def make_engine(llama_dir: Path) -> EngineFactory:
+    """Builds an fp32 engine on the tiny Llama (or ``model=``), with an event outbox attached."""
+
+    def build(model: Path | None = None, **settings: Any) -> LLMEngine:
+        settings.setdefault("kv_cache_tokens", 4096)
+        config = EngineConfig(model=model or llama_dir, dtype="float32", **settings)
+        return LLMEngine(config, outbox=KVEventOutbox())
+
+    return build
