@@ -12,6 +12,8 @@ One rule for every bad body, so clients see what the OpenAI API itself sends:
 * ``null`` at the top level means "unset" (some SDKs send explicit nulls); unknown fields are
   ignored because SDKs send fields this server has no use for (``store``, ``metadata``, ...).
 * Types are strict: ``"0.5"`` is not a number and ``1`` is not a boolean.
+* What the server cannot honour is refused (``unsupported_value``), never silently ignored:
+  ``echo``, and ``tool_choice`` "required" or a named function (there is no constrained decoding).
 
 Checks that need the tokenizer (context length, token ids within the vocabulary) live with the
 server that owns the tokenizer.

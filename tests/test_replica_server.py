@@ -489,7 +489,7 @@ def test_metrics_use_vllm_names(client: OpenAI, http: httpx.Client) -> None:
 
 def test_disconnect_mid_stream_aborts(base_url: str, http: httpx.Client) -> None:
     _wait_idle(http)
-    body = {**CHAT, "max_tokens": MAX_MODEL_LEN // 2, "stream": True, **LONG}
+    body = {**CHAT, "max_tokens": MAX_MODEL_LEN - 100, "stream": True, **LONG}
     aborted_before = _metric(http, "vllm:request_success_total", finished_reason="abort")
     with (
         httpx.Client(base_url=base_url, timeout=30) as session,
@@ -508,7 +508,7 @@ def test_disconnect_while_waiting_for_a_whole_reply_aborts(base_url: str, http: 
     body = {**CHAT, "max_tokens": MAX_MODEL_LEN - 100, **LONG}
     aborted_before = _metric(http, "vllm:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+        httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.15))
     _wait_idle(http)
     assert _metric(http, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
 
