@@ -77,6 +77,7 @@ TTFT_CACHE_SPEEDUP_TARGET = 20.0  # cold / cached-prefix TTFT
 FLOOR_RATIO_TARGET = 2.0  # batch-1 ms/step / bandwidth floor
 
 WARMUP_NEW_TOKENS = 2
+BUSY_LOAD = 0.5  # 1-minute load average above which other processes would skew the numbers
 BANDWIDTH_TRIES = 5
 MB = 1e6
 
@@ -594,7 +595,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated, from: fp32, bf16")
     for name, default in FULL.items():
         kind = str if name == "concurrency" else int
-        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, help=f"default {default}")
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, help=f"default {default} (--quick: {QUICK[name]})"
+        )
     parser.add_argument("--threads", type=int, default=2, help="torch threads per worker (default 2)")
     parser.add_argument("--skip-transformers", action="store_true", help="measure our engine only")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for a smoke run")
@@ -650,12 +653,15 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     s = resolve_settings(args)
+    load = os.getloadavg()[0]
+    if load > BUSY_LOAD:
+        progress(f"warning: 1-minute load average is {load:.1f}; other processes will skew the numbers")
     progress(f"measuring memory read bandwidth over {s.bandwidth_mib} MiB")
     bandwidth = measure_read_bandwidth(s.bandwidth_mib)
     results, all_checks = collect(s, bandwidth)
     report: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "loadtests.bench_engine", *argv]),
-        "machine": machine_info(s.threads),
+        "machine": machine_info(s.threads) | {"load_average_at_start": load},
         "settings": asdict(s),
         "read_bandwidth_gb_s": bandwidth / 1e9,
         "results": results,
