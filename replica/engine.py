@@ -62,9 +62,13 @@ class _Request:
 
 
 def resolve_dtype(name: str, config: ModelConfig, device: str) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA; on CPU bf16 where the CPU computes it natively
+    (AVX512-BF16/AMX: several times faster prefill, half the memory traffic), else fp32."""
     if name == "auto":
-        name = config.torch_dtype if device.startswith("cuda") else "float32"
-        name = name if name in _DTYPES else "float32"
+        if device.startswith("cuda"):
+            name = config.torch_dtype if config.torch_dtype in _DTYPES else "bfloat16"
+        else:
+            name = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

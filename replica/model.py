@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.attention import AttentionBatch, paged_attention
+from replica.linear import Linear
 from replica.model_config import ModelConfig
 from replica.rotary import RotaryEmbedding, apply_rotary
 from replica.weights import iter_tensors
@@ -28,17 +29,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
+    qkv: Linear
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    o: torch.Tensor
-    o_bias: torch.Tensor | None
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
-    down_bias: torch.Tensor | None
+    gate_up: Linear
+    down: Linear
 
 
 class DecoderLM:
@@ -50,7 +47,7 @@ class DecoderLM:
         embed: torch.Tensor,
         layers: list[LayerWeights],
         norm: torch.Tensor,
-        lm_head: torch.Tensor,
+        lm_head: Linear,
         rotary: RotaryEmbedding,
     ) -> None:
         self.config = config
@@ -67,11 +64,12 @@ class DecoderLM:
         return self.embed.dtype
 
     def weight_bytes(self) -> int:
-        tensors = [self.embed, self.norm, self.lm_head]
+        """Bytes read per decode step: every matrix once (a tied head counts again, as it is read)."""
+        total = self.lm_head.nbytes + _nbytes(self.norm)
         for layer in self.layers:
-            tensors += [t for t in vars(layer).values() if t is not None]
-        unique = {t.data_ptr(): t for t in tensors}
-        return sum(t.numel() * t.element_size() for t in unique.values())
+            for part in vars(layer).values():
+                total += part.nbytes if isinstance(part, Linear) else _nbytes(part)
+        return total
 
     def forward(
         self,
@@ -88,7 +86,7 @@ class DecoderLM:
         for index, layer in enumerate(self.layers):
             residual = hidden
             h = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             q = q.view(tokens, cfg.num_heads, cfg.head_dim)
             k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
@@ -99,15 +97,15 @@ class DecoderLM:
             q = apply_rotary(q, cos, sin)
             k = apply_rotary(k, cos, sin)
             attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], batch)
-            hidden = residual + F.linear(attn.reshape(tokens, self.q_size), layer.o, layer.o_bias)
+            hidden = residual + layer.o(attn.reshape(tokens, self.q_size))
             residual = hidden
             h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(h, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            hidden = residual + F.linear(F.silu(gate) * up, layer.down, layer.down_bias)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            hidden = residual + layer.down(F.silu(gate) * up)
         return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
 
     @classmethod
     def load(cls, model_dir: Path, config: ModelConfig, dtype: torch.dtype, device: str) -> DecoderLM:
@@ -120,9 +118,9 @@ class DecoderLM:
         norm = take("model.norm.weight")
         if config.tie_word_embeddings:
             tensors.pop("lm_head.weight", None)
-            lm_head = embed
+            lm_head = Linear(embed)
         else:
-            lm_head = take("lm_head.weight")
+            lm_head = Linear(take("lm_head.weight"))
         if tensors:
             raise ValueError(f"unexpected tensors in checkpoint: {sorted(tensors)[:8]}")
         rotary = RotaryEmbedding(
@@ -142,40 +140,35 @@ class _Taker:
     def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
         self.tensors = tensors
 
-    def __call__(self, name: str, required: bool = True) -> torch.Tensor | None:
+    def __call__(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
-            if required:
-                raise ValueError(f"checkpoint is missing tensor {name!r}")
-            return None
+            raise ValueError(f"checkpoint is missing tensor {name!r}")
         return self.tensors.pop(name)
 
 
-def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-    present = [p for p in parts if p is not None]
-    if not present:
-        return None
-    if len(present) != len(parts):
-        raise ValueError("checkpoint has biases on some fused projections but not others")
-    return torch.cat(present, dim=0).contiguous()
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts, dim=0).contiguous()
 
 
 def _load_layer(take: _Taker, config: ModelConfig, index: int) -> LayerWeights:
     prefix = f"model.layers.{index}."
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    bias = config.qkv_bias
+    qkv_bias = _cat([take(attn + f"{p}_proj.bias") for p in "qkv"]) if config.qkv_bias else None
+    gate_up_bias = (
+        _cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]) if config.mlp_bias else None
+    )
+    down_bias = take(mlp + "down_proj.bias") if config.mlp_bias else None
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight"),
-        qkv=_cat([take(attn + f"{p}_proj.weight") for p in "qkv"]),
-        qkv_bias=_cat([take(attn + f"{p}_proj.bias", bias) for p in "qkv"]) if bias else None,
+        qkv=Linear(_cat([take(attn + f"{p}_proj.weight") for p in "qkv"]), qkv_bias),
         q_norm=take(attn + "q_norm.weight") if config.qk_norm else None,
         k_norm=take(attn + "k_norm.weight") if config.qk_norm else None,
-        o=take(attn + "o_proj.weight"),
-        o_bias=take(attn + "o_proj.bias") if config.o_bias else None,
+        o=Linear(take(attn + "o_proj.weight"), take(attn + "o_proj.bias") if config.o_bias else None),
         post_norm=take(prefix + "post_attention_layernorm.weight"),
-        gate_up=_cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]),
-        gate_up_bias=(
-            _cat([take(mlp + "gate_proj.bias"), take(mlp + "up_proj.bias")]) if config.mlp_bias else None
-        ),
-        down=take(mlp + "down_proj.weight"),
-        down_bias=take(mlp + "down_proj.bias") if config.mlp_bias else None,
+        gate_up=Linear(_cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]), gate_up_bias),
+        down=Linear(take(mlp + "down_proj.weight"), down_bias),
     )
+
+
+def _nbytes(tensor: torch.Tensor | None) -> int:
+    return 0 if tensor is None else tensor.numel() * tensor.element_size()
