@@ -362,20 +362,22 @@ def run_group(s: Settings, engine: str, dtype: str, workdir: Path) -> dict[str, 
     return json.loads(result_path.read_text())
 
 
-def measure_read_bandwidth(mib: int) -> float:
-    """Bytes/s one core reads from a float32 array far larger than the caches (best of a few).
+def measure_read_bandwidth(mib: int, threads: int) -> float:
+    """Bytes/s that ``threads`` torch threads read from a float32 tensor far larger than the caches.
 
-    Batch-1 decode must stream every weight once per step, so weights / this is its floor.
+    Batch-1 decode must stream every weight once per step with those same threads, so weights /
+    this is its floor (a single-threaded numpy sum reads about half as fast here).
     """
-    import numpy as np
+    import torch
 
-    data = np.ones(mib * 2**20 // 4, dtype=np.float32)
+    torch.set_num_threads(threads)
+    data = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
     best = float("inf")
     for _ in range(BANDWIDTH_TRIES):
         start = time.perf_counter()
         data.sum()
         best = min(best, time.perf_counter() - start)
-    return data.nbytes / best
+    return data.numel() * data.element_size() / best
 
 
 def package_version(name: str) -> str:
@@ -572,8 +574,8 @@ def preamble(s: Settings, report: dict[str, Any]) -> str:
         [
             f"Machine: {m['cpu']}, {m['cores']} cores, {m['threads']} threads; torch {m['torch']}, "
             f"transformers {m['transformers']}, Python {m['python']}; memory read bandwidth "
-            f"{report['read_bandwidth_gb_s']:.1f} GB/s (numpy sum over {s.bandwidth_mib} MiB, best of "
-            f"{BANDWIDTH_TRIES}).",
+            f"{report['read_bandwidth_gb_s']:.1f} GB/s (torch sum on {s.threads} threads over "
+            f"{s.bandwidth_mib} MiB, best of {BANDWIDTH_TRIES}).",
             f"Model: {Path(s.model).name}; {s.prompt_tokens}-token random prompts, {s.new_tokens} "
             f"new tokens, greedy, EOS ignored; tok/s = N × {s.new_tokens} / wall time including "
             f"prefill; medians of {s.repeats} run(s). Ours: KV pool {ours['kv_cache_tokens']} tokens, "
@@ -657,7 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     if load > BUSY_LOAD:
         progress(f"warning: 1-minute load average is {load:.1f}; other processes will skew the numbers")
     progress(f"measuring memory read bandwidth over {s.bandwidth_mib} MiB")
-    bandwidth = measure_read_bandwidth(s.bandwidth_mib)
+    bandwidth = measure_read_bandwidth(s.bandwidth_mib, s.threads)
     results, all_checks = collect(s, bandwidth)
     report: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "loadtests.bench_engine", *argv]),

@@ -49,34 +49,37 @@ def bottom_right_causal_mask(num_queries: int, num_keys: int, device: torch.devi
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    new_kv: torch.Tensor,
+    kv_cache: torch.Tensor,
     batch: AttentionBatch,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim]; k, v: [tokens, kv_heads, dim]; caches: [slots, kv_heads, dim]."""
-    k_cache.index_copy_(0, batch.slot_mapping, k)
-    v_cache.index_copy_(0, batch.slot_mapping, v)
+    """q: [tokens, heads, dim]; new_kv: [tokens, 2, kv_heads, dim]; kv_cache: [slots, 2, kv_heads, dim].
+
+    K and V of a slot sit side by side, so one copy writes them and one gather reads them.
+    """
+    kv_cache.index_copy_(0, batch.slot_mapping, new_kv)
     outputs: list[torch.Tensor] = []
     if batch.num_decodes:
         assert batch.decode_slots is not None
-        qd = q[: batch.num_decodes].unsqueeze(2)
-        kd = _gather(k_cache, batch.decode_slots).transpose(1, 2)
-        vd = _gather(v_cache, batch.decode_slots).transpose(1, 2)
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=batch.decode_mask, enable_gqa=True)
+        context = _gather(kv_cache, batch.decode_slots)  # [decodes, longest, 2, kv_heads, dim]
+        out = F.scaled_dot_product_attention(
+            q[: batch.num_decodes].unsqueeze(2),
+            context[:, :, 0].transpose(1, 2),
+            context[:, :, 1].transpose(1, 2),
+            attn_mask=batch.decode_mask,
+            enable_gqa=True,
+        )
         outputs.append(out.squeeze(2))
     for span in batch.prefills:
         end = span.start + span.length
-        qp = q[span.start : end].transpose(0, 1).unsqueeze(0)
         if span.context_slots is None:
-            kp, vp = k[span.start : end], v[span.start : end]
+            context = new_kv[span.start : end]
         else:
-            kp, vp = _gather(k_cache, span.context_slots), _gather(v_cache, span.context_slots)
+            context = _gather(kv_cache, span.context_slots)  # [context, 2, kv_heads, dim]
         out = F.scaled_dot_product_attention(
-            qp,
-            kp.transpose(0, 1).unsqueeze(0),
-            vp.transpose(0, 1).unsqueeze(0),
+            q[span.start : end].transpose(0, 1).unsqueeze(0),
+            context[:, 0].transpose(0, 1).unsqueeze(0),
+            context[:, 1].transpose(0, 1).unsqueeze(0),
             attn_mask=span.mask,
             is_causal=span.mask is None,
             enable_gqa=True,
@@ -86,5 +89,5 @@ def paged_attention(
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at ``slots`` (any shape), as [*slots.shape, kv_heads, dim]; faster than indexing."""
+    """cache rows at ``slots`` (any shape), as [*slots.shape, *row shape]; faster than indexing."""
     return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])

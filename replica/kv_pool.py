@@ -14,8 +14,8 @@ class OutOfPagesError(RuntimeError):
 class KVPool:
     """Storage for K and V of every layer, ``page_size`` token slots per page.
 
-    Layout ``[layers, 2, pages * page_size, kv_heads, head_dim]``: a token's slot is
-    ``page * page_size + offset``, the same in every layer.
+    Layout ``[layers, pages * page_size, 2, kv_heads, head_dim]``: a token's slot is
+    ``page * page_size + offset``, the same in every layer, and holds its K and V side by side.
     """
 
     def __init__(
@@ -33,7 +33,7 @@ class KVPool:
         self.num_pages = num_pages
         self.page_size = page_size
         self.kv = torch.zeros(
-            num_layers, 2, num_pages * page_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_layers, num_pages * page_size, 2, num_kv_heads, head_dim, dtype=dtype, device=device
         )
         self._free: deque[int] = deque(range(num_pages))
 

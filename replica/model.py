@@ -21,9 +21,14 @@ from replica.weights import iter_tensors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """transformers' RMSNorm: normalise in fp32, round to the model dtype, then scale.
+
+    fp32 takes one fused op (bit-identical); bf16/fp16 must not normalise in low precision, which
+    drifts visibly over 30 layers.
+    """
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 @dataclass
@@ -78,25 +83,26 @@ class DecoderLM:
         batch: AttentionBatch,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """Returns the final-normed hidden states [tokens, hidden]; kv_cache: [layers, 2, slots, ...]."""
+        """Returns the final-normed hidden states [tokens, hidden]; kv_cache: [layers, slots, 2, ...]."""
         cfg = self.config
+        heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
         hidden = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary.tables(positions)
         tokens = input_ids.shape[0]
         for index, layer in enumerate(self.layers):
             residual = hidden
             h = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
-            qkv = layer.qkv(h)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-            q = q.view(tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(tokens, cfg.num_kv_heads, cfg.head_dim)
+            # q, k and v heads side by side: [tokens, heads + 2 * kv_heads, head_dim]
+            qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, cfg.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
-                q = rms_norm(q, layer.q_norm, cfg.rms_norm_eps)
-                k = rms_norm(k, layer.k_norm, cfg.rms_norm_eps)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            attn = paged_attention(q, k, v, kv_cache[index, 0], kv_cache[index, 1], batch)
+                qkv[:, :heads] = rms_norm(qkv[:, :heads], layer.q_norm, cfg.rms_norm_eps)
+                qkv[:, heads : heads + kv_heads] = rms_norm(
+                    qkv[:, heads : heads + kv_heads], layer.k_norm, cfg.rms_norm_eps
+                )
+            query_key = qkv[:, : heads + kv_heads]
+            query_key.copy_(apply_rotary(query_key, cos, sin))
+            new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, cfg.head_dim)
+            attn = paged_attention(qkv[:, :heads], new_kv, kv_cache[index], batch)
             hidden = residual + layer.o(attn.reshape(tokens, self.q_size))
             residual = hidden
             h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)

@@ -24,7 +24,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[tuple[int, TokenL
             _apply_penalties(logits[i], seq.output_token_ids, seq.params)
     tokens = [0] * len(seqs)
     greedy = [i for i, s in enumerate(seqs) if s.params.greedy]
-    if greedy:
+    if len(greedy) == len(seqs):  # the common case: no row copies
+        tokens = logits.argmax(dim=-1).tolist()
+    elif greedy:
         for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
             tokens[i] = token
     for i, seq in enumerate(seqs):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +12,7 @@ from replica.engine import LLMEngine
 from replica.engine_config import EngineConfig
 from replica.kv_events import KVEventOutbox
 from replica.test_models import make_test_model
+from tests.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")
@@ -37,3 +38,12 @@ def make_engine(llama_dir: Path) -> EngineFactory:
         return LLMEngine(config, outbox=KVEventOutbox())
 
     return build
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A fresh, private redis-server per test, killed afterwards."""
+    server = RedisServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()

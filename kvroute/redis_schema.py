@@ -1,0 +1,126 @@
+"""What lives in Redis, byte for byte: the contract between replica publishers and gateway mirrors.
+
+Keys (``prefix`` defaults to ``kvroute``):
+
+- ``{prefix}:replicas``: SET of replica ids that ever registered (dead ones are pruned by readers
+  whose heartbeat lookup finds nothing, and by the replica's own graceful shutdown).
+- ``{prefix}:replica:{id}``: HASH heartbeat with a TTL (``HEARTBEAT_FIELDS``).
+- ``{prefix}:blocks:{id}``: SET of the block hashes the replica holds in its current epoch, each an
+  8-byte little-endian unsigned integer.
+- ``{prefix}:events:{model}``: STREAM of cache events for one served model (``EVENT_FIELDS``).
+
+A replica applies each event batch to its blocks set and appends it to the stream in one
+MULTI/EXEC, so a reader that takes the stream's last id, then the sets, then replays the stream
+from that id converges on the truth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+
+from kvroute.blocks import PROTOCOL_VERSION
+
+DEFAULT_PREFIX = "kvroute"
+
+
+class EventKind(StrEnum):
+    STORED = "s"
+    REMOVED = "r"
+    CLEARED = "c"  # everything the replica held before is gone; a new epoch starts with it
+
+
+@dataclass(frozen=True)
+class Keys:
+    prefix: str = DEFAULT_PREFIX
+
+    @property
+    def replicas(self) -> str:
+        return f"{self.prefix}:replicas"
+
+    def heartbeat(self, replica_id: str) -> str:
+        return f"{self.prefix}:replica:{replica_id}"
+
+    def blocks(self, replica_id: str) -> str:
+        return f"{self.prefix}:blocks:{replica_id}"
+
+    def events(self, model: str) -> str:
+        return f"{self.prefix}:events:{model}"
+
+
+# Heartbeat hash fields: protocol version, identity, then load. All values are strings in Redis.
+HEARTBEAT_FIELDS = (
+    "v",  # protocol version
+    "url",  # base URL gateways should call (the replica's --advertise-url)
+    "model",  # served model name
+    "fingerprint",  # tokenizer fingerprint (kvroute.tokenizer)
+    "block_size",  # tokens per block
+    "epoch",  # hex; changes whenever the replica's cache restarts from empty
+    "kv_total_pages",
+    "kv_used_pages",
+    "running",  # sequences running
+    "waiting",  # sequences waiting for admission
+    "waiting_prefill_tokens",  # prompt tokens not yet computed
+    "ts",  # unix time of this heartbeat, seconds (float)
+)
+
+# Stream entry fields.
+EVENT_FIELDS = (
+    "v",  # protocol version
+    "r",  # replica id
+    "e",  # epoch (hex)
+    "k",  # EventKind value
+    "h",  # packed block hashes (8-byte little-endian each); empty for CLEARED
+    "t",  # unix time the batch was published, seconds (float)
+)
+
+
+def pack_hashes(hashes: Iterable[int]) -> bytes:
+    return np.fromiter(hashes, dtype="<u8").tobytes()
+
+
+def unpack_hashes(packed: bytes) -> list[int]:
+    return np.frombuffer(packed, dtype="<u8").tolist()
+
+
+def hash_member(block_hash: int) -> bytes:
+    """One block hash as a member of a replica's blocks set."""
+    return block_hash.to_bytes(8, "little")
+
+
+def encode_event(
+    replica_id: str, epoch: str, kind: EventKind, hashes: Iterable[int], ts: float
+) -> dict[str, bytes | str]:
+    return {
+        "v": str(PROTOCOL_VERSION),
+        "r": replica_id,
+        "e": epoch,
+        "k": kind.value,
+        "h": pack_hashes(hashes),
+        "t": repr(ts),
+    }
+
+
+@dataclass(frozen=True)
+class Event:
+    replica_id: str
+    epoch: str
+    kind: EventKind
+    hashes: list[int]
+    ts: float
+
+
+def decode_event(fields: Mapping[bytes, bytes]) -> Event:
+    version = int(fields[b"v"])
+    if version != PROTOCOL_VERSION:
+        raise ValueError(f"event protocol version {version}, this build speaks {PROTOCOL_VERSION}")
+    return Event(
+        replica_id=fields[b"r"].decode(),
+        epoch=fields[b"e"].decode(),
+        kind=EventKind(fields[b"k"].decode()),
+        hashes=unpack_hashes(fields[b"h"]),
+        ts=float(fields[b"t"]),
+    )
