@@ -7,8 +7,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvroute.blocks import DEFAULT_BLOCK_SIZE
+from kvroute.redis_schema import DEFAULT_PREFIX
+
+if TYPE_CHECKING:
+    from replica.kv_publisher import PublisherConfig
 
 
 def _add_replica_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +40,26 @@ def _add_replica_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
     p.add_argument("--log-level", default="info")
+    r = p.add_argument_group("cache index (Redis)")
+    r.add_argument(
+        "--redis",
+        metavar="URL",
+        help="publish cache contents and load to redis://HOST:PORT/DB (default: standalone)",
+    )
+    r.add_argument(
+        "--advertise-url",
+        metavar="URL",
+        help="base URL gateways should call (default: http://HOST:PORT, the hostname for a wildcard host)",
+    )
+    r.add_argument("--replica-id", help="stable name in Redis (default: host:port of the advertise URL)")
+    r.add_argument("--redis-prefix", default=DEFAULT_PREFIX, help="key prefix in Redis")
+    r.add_argument("--heartbeat-interval", type=float, default=0.5, help="seconds between heartbeats")
+    r.add_argument(
+        "--heartbeat-ttl", type=float, default=2.0, help="seconds a heartbeat stays without refresh"
+    )
+    r.add_argument(
+        "--stream-maxlen", type=int, default=100_000, help="approximate length cap of the event stream"
+    )
 
 
 def _run_replica(args: argparse.Namespace) -> None:
@@ -60,7 +85,31 @@ def _run_replica(args: argparse.Namespace) -> None:
         max_model_len=args.max_model_len,
         seed=args.seed,
     )
-    run_server(config, args.host, args.port, max_body_bytes=args.max_body_bytes, log_level=args.log_level)
+    run_server(
+        config,
+        args.host,
+        args.port,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+        publisher_config=_publisher_config(args),
+    )
+
+
+def _publisher_config(args: argparse.Namespace) -> PublisherConfig | None:
+    if args.redis is None:
+        return None
+    from replica.kv_publisher import PublisherConfig, default_advertise_url, default_replica_id
+
+    advertise_url = args.advertise_url or default_advertise_url(args.host, args.port)
+    return PublisherConfig(
+        redis_url=args.redis,
+        replica_id=args.replica_id or default_replica_id(advertise_url),
+        advertise_url=advertise_url,
+        prefix=args.redis_prefix,
+        heartbeat_interval=args.heartbeat_interval,
+        heartbeat_ttl=args.heartbeat_ttl,
+        stream_maxlen=args.stream_maxlen,
+    )
 
 
 def _run_prepare_model(args: argparse.Namespace) -> None:

@@ -39,6 +39,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stats = engine.stats()
 
     @classmethod
     def from_config(cls, config: EngineConfig, outbox: KVEventOutbox | None = None) -> AsyncEngine:
@@ -105,8 +106,16 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wakeup.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Evicts all unused cached pages, on the engine thread (the only one touching the cache)."""
+        done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._inbox.put(("reset", done))
+        self._wakeup.set()
+        return await done
+
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The engine thread's latest snapshot: reading the live scheduler from here would race it."""
+        return self._stats
 
     # -- engine thread --------------------------------------------------------------------------
 
@@ -114,6 +123,7 @@ class AsyncEngine:
         with torch.inference_mode():
             while not self._stopping:
                 self._drain_inbox()
+                self._stats = self.engine.stats()
                 if not self.engine.has_unfinished():
                     self._wakeup.wait()
                     self._wakeup.clear()
@@ -139,6 +149,9 @@ class AsyncEngine:
                     self.engine.add_request(request_id, prompt, params)
                 except ValueError as error:
                     self._post([(request_id, error)])
+            elif command[0] == "reset":
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(_resolve, command[1], self.engine.reset_prefix_cache())
             else:
                 self.engine.abort_request(command[1])
 
@@ -158,3 +171,8 @@ class AsyncEngine:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put_nowait(payload)
+
+
+def _resolve(future: asyncio.Future[Any], value: Any) -> None:
+    if not future.done():  # its waiter may have gone away meanwhile
+        future.set_result(value)

@@ -176,6 +176,10 @@ class LLMEngine:
                 self._finish(seq, "abort")
         return self._output(request)
 
+    def reset_prefix_cache(self) -> int:
+        """Evicts every cached page no running request uses (vLLM's /reset_prefix_cache)."""
+        return self.cache.evict(self.cache.evictable_pages)
+
     def has_unfinished(self) -> bool:
         return bool(self._requests)
 

@@ -30,6 +30,8 @@ from kvroute.openai_protocol import (
 )
 from replica.async_engine import AsyncEngine
 from replica.engine_config import EngineConfig
+from replica.kv_events import KVEventOutbox
+from replica.kv_publisher import KVPublisher, PublisherConfig
 from replica.metrics import ReplicaMetrics
 from replica.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
 
@@ -103,6 +105,7 @@ class _ReplicaAPI:
             ("/v1/models/{model:path}", self.model, "GET"),
             ("/tokenize", self.tokenize, "POST"),
             ("/detokenize", self.detokenize, "POST"),
+            ("/reset_prefix_cache", self.reset_prefix_cache, "POST"),
             ("/health", self.health, "GET"),
             ("/metrics", self.prometheus, "GET"),
         ]
@@ -173,6 +176,10 @@ class _ReplicaAPI:
             )
         return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
+    async def reset_prefix_cache(self, request: Request) -> Response:
+        """vLLM's endpoint: drop every cached page no running request uses (removed events follow)."""
+        return JSONResponse({"evicted_pages": await self.engine.reset_prefix_cache()})
+
     async def health(self, request: Request) -> Response:
         if not self.engine.is_running:
             raise APIError("The engine is not running.", 503)
@@ -183,19 +190,49 @@ class _ReplicaAPI:
         return Response(body, headers={"Content-Type": content_type})
 
 
-def build_app(engine: AsyncEngine, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> Starlette:
-    """The replica app; its lifespan starts the engine thread and shuts it down on exit."""
+def build_app(
+    engine: AsyncEngine,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    publisher_config: PublisherConfig | None = None,
+) -> Starlette:
+    """The replica app; its lifespan starts the engine thread and shuts it down on exit.
+
+    With ``publisher_config`` (which needs an engine built with a ``KVEventOutbox``) the lifespan
+    also publishes the cache to Redis: started after the engine, stopped (deregistered) before it.
+    """
+    publisher = None if publisher_config is None else _make_publisher(engine, publisher_config)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         engine.start()
         try:
-            yield
+            if publisher is not None:
+                await publisher.start()
+            try:
+                yield
+            finally:
+                if publisher is not None:
+                    await publisher.stop()
         finally:
             await engine.shutdown()
 
     api = _ReplicaAPI(engine, max_body_bytes)
     return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+
+
+def _make_publisher(engine: AsyncEngine, config: PublisherConfig) -> KVPublisher:
+    outbox = engine.engine.cache.outbox
+    if outbox is None:
+        raise ValueError("publishing to Redis needs an engine built with a KVEventOutbox")
+    return KVPublisher(
+        config,
+        model=engine.served_model_name,
+        fingerprint=engine.tokenizer.fingerprint,
+        block_size=engine.engine.pool.page_size,
+        outbox=outbox,
+        stats=engine.stats,
+    )
 
 
 def _url(host: str, port: int) -> str:
@@ -209,13 +246,25 @@ def run_server(
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
+    publisher_config: PublisherConfig | None = None,
 ) -> None:
-    """Load the model, then serve it until SIGINT/SIGTERM (in-flight requests get to finish)."""
+    """Load the model, then serve it until SIGINT/SIGTERM (in-flight requests get to finish).
+
+    With ``publisher_config`` the cache and load are published to Redis; without it the replica
+    runs standalone and its cache keeps no event outbox.
+    """
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())  # also when a caller configured logging first
-    engine = AsyncEngine.from_config(config)
-    app = build_app(engine, max_body_bytes=max_body_bytes)
+    outbox = None if publisher_config is None else KVEventOutbox()
+    engine = AsyncEngine.from_config(config, outbox)
+    app = build_app(engine, max_body_bytes=max_body_bytes, publisher_config=publisher_config)
     log.info("serving %s at %s/v1", engine.served_model_name, _url(host, port))
+    if publisher_config is not None:
+        log.info(
+            "publishing the KV cache index to Redis as replica %s, advertised at %s",
+            publisher_config.replica_id,
+            publisher_config.advertise_url,
+        )
     uvicorn.run(
         app,
         host=host,
