@@ -11,8 +11,6 @@ import asyncio
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -30,9 +28,9 @@ from replica.kv_events import KVEventKind, KVEventOutbox
 from replica.kv_publisher import KVPublisher, PublisherConfig, default_advertise_url, default_replica_id
 from replica.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.redis_server import RedisServer, free_port
+from tests.redis_server import RedisServer
+from tests.replica_process import ReplicaProcess
 from tests.test_engine_logits import random_prompt
-from tests.test_replica_server import _wait_healthy
 
 KEYS = Keys()
 REPLICA = "10.0.0.7:8001"
@@ -504,22 +502,15 @@ def test_cli_replica_publishes_and_deregisters_on_sigterm(
     redis_server: RedisServer, llama_dir: Path, tmp_path: Path
 ) -> None:
     client = redis_server.client()
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    replica = f"127.0.0.1:{port}"
-    command = [
-        sys.executable, "-m", "kvroute.cli", "replica",
-        "--model", str(llama_dir), "--port", str(port),
+    process = ReplicaProcess(
+        llama_dir, tmp_path / "replica.log",
         "--dtype", "float32", "--kv-cache-tokens", "2048",
-        "--redis", redis_server.url, "--heartbeat-interval", "0.2", "--log-level", "warning",
-    ]  # fmt: skip
-    log_path = tmp_path / "replica.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        "--redis", redis_server.url, "--heartbeat-interval", "0.2",
+    )  # fmt: skip
+    replica = f"127.0.0.1:{process.port}"
     try:
-        _wait_healthy(url, process, log_path)
         response = httpx.post(
-            f"{url}/v1/chat/completions",
+            f"{process.url}/v1/chat/completions",
             json={
                 "model": llama_dir.name,
                 "messages": [{"role": "user", "content": "tell me about caches " * 10}],
@@ -534,18 +525,15 @@ def test_cli_replica_publishes_and_deregisters_on_sigterm(
             assert time.monotonic() < deadline, "no blocks published"
             time.sleep(0.02)
         beat = heartbeat(client, replica)
-        assert beat["url"] == url and beat["model"] == llama_dir.name
+        assert beat["url"] == process.url and beat["model"] == llama_dir.name
         assert client.smembers(KEYS.replicas) == {replica.encode()}
 
-        process.send_signal(signal.SIGTERM)
         # uvicorn shuts down gracefully, then re-raises the signal it caught
-        assert process.wait(timeout=30) == -signal.SIGTERM, log_path.read_text()
+        assert process.terminate() == -signal.SIGTERM, process.log_path.read_text()
         assert not client.exists(KEYS.heartbeat(replica), KEYS.blocks(replica))
         assert client.smembers(KEYS.replicas) == set()
         events = stream(client, llama_dir.name)
         assert events[-1].kind is EventKind.CLEARED
         assert replay(events, replica) == (events[-1].epoch, set())
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        process.kill()

@@ -9,9 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +26,7 @@ from replica.engine import EngineStats
 from replica.metrics import ReplicaMetrics
 from replica.outputs import ChoiceDelta, RequestOutput
 from replica.server import build_app
+from tests.replica_process import ReplicaProcess
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 1024
@@ -36,50 +34,18 @@ MAX_BODY_BYTES = 64 * 1024
 LONG = {"ignore_eos": True}  # a random model may emit EOS at any step; these tests want exact lengths
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = _free_port()
-    log_path = tmp_path_factory.mktemp("replica") / "server.log"
-    command = [
-        sys.executable, "-m", "kvroute.cli", "replica",
-        "--model", str(llama_dir), "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--dtype", "float32", "--kv-cache-tokens", "8192", "--max-model-len", str(MAX_MODEL_LEN),
-        "--max-body-bytes", str(MAX_BODY_BYTES), "--log-level", "warning",
-    ]  # fmt: skip
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    replica = ReplicaProcess(
+        llama_dir,
+        tmp_path_factory.mktemp("replica") / "server.log",
+        "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-tokens", "8192",
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
+    )  # fmt: skip
     try:
-        _wait_healthy(url, process, log_path)
-        yield url
+        yield replica.url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
-def _wait_healthy(url: str, process: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            pytest.fail(f"replica exited with {process.returncode}:\n{log_path.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"replica not healthy after 120 s:\n{log_path.read_text()}")
+        replica.terminate()
 
 
 @pytest.fixture(scope="module")
