@@ -166,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         _HANDLERS[args.command](args)
     except KeyboardInterrupt:
         sys.exit(130)
+    except (ValueError, FileNotFoundError) as error:  # bad settings or model files: no traceback
+        sys.exit(f"kvroute {args.command}: error: {error}")
 
 
 if __name__ == "__main__":

@@ -25,5 +25,15 @@ class EngineConfig:
     max_model_len: int | None = None  # context window; defaults to the model's max_position_embeddings
     seed: int = 0  # seeds requests that bring no seed of their own
 
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.max_num_seqs < 1:
+            raise ValueError("block_size and max_num_seqs must be positive")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every running sequence must be able to decode its token in one step, or some starve
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs})"
+            )
+
     def resolved_model_name(self) -> str:
         return self.served_model_name or Path(self.model).name

@@ -93,3 +93,8 @@ def test_kv_pool_sized_by_tokens_or_memory(llama_dir: Path) -> None:
     by_memory = LLMEngine(EngineConfig(model=llama_dir, dtype="float32", kv_cache_memory_gb=0.001))
     assert by_memory.pool.capacity_tokens == (1024**3 // 1000) // (16 * per_token) * 16
     assert by_memory.max_model_len == min(4096, by_memory.pool.capacity_tokens)
+
+
+def test_token_budget_must_cover_every_running_decode(llama_dir: Path) -> None:
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineConfig(model=llama_dir, max_num_seqs=64, max_num_batched_tokens=32)
