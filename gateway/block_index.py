@@ -1,10 +1,10 @@
 """The gateway's in-memory cache index: which replica holds which block, answered per prompt prefix.
 
 Every live replica owns one bit (its *slot*); each block hash maps to the bitmask of the replicas
-holding it. Because a block hash chains its whole prefix, a replica holds the first n blocks of a
-prompt exactly when its bit is set in the masks of blocks 0..n-1, so a lookup ANDs masks from
-block 0 and stops as soon as no replica of the model is left: the work is proportional to the
-longest match, never to the index size. Each slot also keeps the set of hashes it holds, so
+holding it. Because a block hash chains its whole prefix, and a replica's cache holds a block only
+with its parent, the replicas holding blocks 0..i of a prompt form a set that only shrinks as i
+grows: a lookup bisects for the points where it shrinks, so its work grows with the logarithm of
+the match, never with the index size. Each slot also keeps the set of hashes it holds, so
 dropping a replica costs its own blocks only.
 
 *Predicted* blocks are the gateway's own guess (a request was just routed there) kept in separate
@@ -21,7 +21,7 @@ import heapq
 import itertools
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 
@@ -222,54 +222,58 @@ class BlockIndex:
     def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
         """For every live replica of ``model``: how many leading blocks of ``hashes`` it holds.
 
-        Walks ``hashes`` from block 0 while some replica of the model still matches, so the cost
-        is O(longest match + replicas of the model).
+        O(replicas of the model + drop-out points × log(len(hashes))) mask reads; see ``_walk``.
         """
         members = self._model_members.get(model)
         if not members:
             return {}
         result = dict.fromkeys(members, 0)
-        alive = self._model_masks[model]
-        masks, by_slot = self._masks, self._by_slot
-        for depth, block_hash in enumerate(hashes):
-            mask = masks.get(block_hash, 0) & alive
-            if mask != alive:
-                _record(result, by_slot, alive & ~mask, depth)
-                alive = mask
-                if not alive:
-                    return result
-        _record(result, by_slot, alive, len(hashes))
+        masks = self._masks
+        self._walk(result, len(hashes), self._model_masks[model], lambda i: masks.get(hashes[i], 0))
         return result
 
     def lookup_with_predictions(
         self, model: str, hashes: Sequence[int], now: float | None = None
     ) -> dict[str, PrefixMatch]:
         """Like ``lookup``, but per replica both the confirmed count and the count that treats
-        unexpired predicted blocks as held. Same cost, plus pruning what expired."""
+        unexpired predicted blocks as held. Twice the walk, plus pruning what expired."""
         self.prune_predictions(now)
         members = self._model_members.get(model)
         if not members:
             return {}
         confirmed = dict.fromkeys(members, 0)
         combined = dict.fromkeys(members, 0)
-        alive_confirmed = alive_combined = self._model_masks[model]
-        masks, pmasks, by_slot = self._masks, self._predicted_masks, self._by_slot
-        for depth, block_hash in enumerate(hashes):
-            held = masks.get(block_hash, 0)
-            mask = held & alive_confirmed
-            if mask != alive_confirmed:
-                _record(confirmed, by_slot, alive_confirmed & ~mask, depth)
-                alive_confirmed = mask
-            mask = (held | pmasks.get(block_hash, 0)) & alive_combined
-            if mask != alive_combined:
-                _record(combined, by_slot, alive_combined & ~mask, depth)
-                alive_combined = mask
-                if not alive_combined:  # confirmed ⊆ combined, so both walks are over
-                    break
-        else:
-            _record(confirmed, by_slot, alive_confirmed, len(hashes))
-            _record(combined, by_slot, alive_combined, len(hashes))
+        alive = self._model_masks[model]
+        masks, pmasks = self._masks, self._predicted_masks
+        self._walk(confirmed, len(hashes), alive, lambda i: masks.get(hashes[i], 0))
+        self._walk(combined, len(hashes), alive, lambda i: masks.get(hashes[i], 0) | pmasks.get(hashes[i], 0))
         return {rid: PrefixMatch(confirmed[rid], combined[rid]) for rid in members}
+
+    def _walk(self, result: dict[str, int], length: int, alive: int, holders: Callable[[int], int]) -> None:
+        """Records, for each replica in ``alive``, how many leading blocks it holds.
+
+        A replica that holds a block holds its parent too (its radix tree inserts parents first and
+        evicts leaves only), so the set of replicas holding blocks 0..i only shrinks as i grows.
+        Each point where it shrinks is found by bisection: a prompt matched in full by a few
+        replicas costs about log2(length) mask reads, not length.
+        """
+        position = 0
+        while alive and position < length:
+            held = holders(position) & alive
+            if held != alive:
+                _record(result, self._by_slot, alive & ~held, position)
+                alive = held
+                if not alive:
+                    return
+            low, high = position, length - 1  # every replica in ``alive`` holds block ``low``
+            while low < high:
+                middle = (low + high + 1) // 2
+                if holders(middle) & alive == alive:
+                    low = middle
+                else:
+                    high = middle - 1
+            position = low + 1
+        _record(result, self._by_slot, alive, length)
 
     # -- size -----------------------------------------------------------------------------------
 

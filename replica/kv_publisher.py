@@ -248,17 +248,22 @@ class KVPublisher:
                 self._blocks.clear()
 
     async def _publish(self, events: list[KVEvent]) -> None:
-        """One MULTI/EXEC per batch of at most ``max_batch_hashes`` hashes."""
-        async with self._lock:
-            if not self._connected:
-                return  # a heartbeat failed meanwhile; the republish covers these events
-            try:
-                for batch in self._batches(events):
+        """One MULTI/EXEC per batch of at most ``max_batch_hashes`` hashes.
+
+        The lock is taken per batch, so a heartbeat slips in between batches of a long burst
+        (a million hashes take seconds, longer than the heartbeat TTL).
+        """
+        for batch in self._batches(events):
+            async with self._lock:
+                if not self._connected:
+                    return  # a write failed meanwhile; the republish covers these events
+                try:
                     async with self._transaction(sum(len(hashes) for _, hashes in batch)) as pipe:
                         for kind, hashes in batch:
                             self._queue_event(pipe, kind, hashes)
-            except Exception as error:
-                self._lost(error)
+                except Exception as error:
+                    self._lost(error)
+                    return
 
     async def _resync(self) -> None:
         """New epoch and the whole of ``blocks``, in one transaction: the registration at start,

@@ -32,9 +32,9 @@ def test_lookup_counts_leading_blocks_per_replica(rng: random.Random) -> None:
     assert index.lookup("m", prompt[:3]) == {"a": 3, "b": 3, "c": 0}
     assert index.lookup("m", []) == {"a": 0, "b": 0, "c": 0}
     assert index.lookup("m", chain(4, rng)) == {"a": 0, "b": 0, "c": 0}
-    # A hole stops the count even if later blocks are held.
-    index.removed("b", [prompt[2]])
-    assert index.lookup("m", prompt)["b"] == 2
+    # Replicas evict leaves first, so what remains of a chain is always a prefix of it.
+    index.removed("b", prompt[:2:-1])
+    assert index.lookup("m", prompt)["b"] == 3
     assert index.size == 8
 
 
@@ -197,15 +197,17 @@ def test_lookup_work_is_proportional_to_the_match(rng: random.Random) -> None:
     assert CountingDict.gets == 1
     assert set(result.values()) == {0} and len(result) == 64
 
+    # Two drop-out points (block 40, block 100), each found by bisecting 512 blocks: about
+    # 2 x (log2(512) + 1) reads, where a walk block by block would read 101.
     CountingDict.gets = 0
     result = index.lookup("m", prompt)
-    assert CountingDict.gets == 101  # 100 matched blocks, then the miss that ends the walk
+    assert CountingDict.gets <= 2 * (9 + 2)
     assert result["r7"] == 100 and result["r9"] == 40
     assert sum(result.values()) == 140
 
     CountingDict.gets = 0
     index.lookup_with_predictions("m", prompt)
-    assert CountingDict.gets == 101
+    assert CountingDict.gets <= 4 * (9 + 2)  # the confirmed walk and the combined walk
 
 
 def test_memory_estimate_matches_tracemalloc(rng: random.Random) -> None:
@@ -232,3 +234,35 @@ def test_memory_estimate_matches_tracemalloc(rng: random.Random) -> None:
         per_block = measured / index.size
         assert 100 < per_block < 250
         assert index.bytes_per_block() == pytest.approx(per_block, rel=0.3)
+
+
+def test_bisecting_lookup_agrees_with_a_block_by_block_walk(rng: random.Random) -> None:
+    """Random prefix-closed holdings (as replicas' radix caches always are), many prompts."""
+    index = BlockIndex()
+    chains = [chain(300, rng) for _ in range(6)]
+    held: dict[str, set[int]] = {}
+    predicted: dict[str, set[int]] = {}
+    for r in range(20):
+        rid = f"r{r}"
+        index.add_replica(rid, "m")
+        held[rid] = set()
+        for blocks in rng.sample(chains, 3):
+            prefix = blocks[: rng.randrange(len(blocks) + 1)]
+            index.stored(rid, prefix)
+            held[rid].update(prefix)
+        guess = rng.choice(chains)[: rng.randrange(300)]
+        index.predict(rid, guess, ttl_s=60)
+        predicted[rid] = held[rid] | set(guess)
+    for blocks in chains:
+        prompt = blocks[: rng.randrange(1, len(blocks) + 1)]
+        expected = {rid: leading(prompt, mine) for rid, mine in held.items()}
+        assert index.lookup("m", prompt) == expected
+        both = index.lookup_with_predictions("m", prompt)
+        assert {rid: match.confirmed for rid, match in both.items()} == expected
+        assert {rid: match.with_predicted for rid, match in both.items()} == {
+            rid: leading(prompt, mine) for rid, mine in predicted.items()
+        }
+
+
+def leading(prompt: list[int], held: set[int]) -> int:
+    return next((i for i, block in enumerate(prompt) if block not in held), len(prompt))
