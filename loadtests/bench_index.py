@@ -1,12 +1,11 @@
 """The Redis cache index, end to end: publish and apply throughput, lookup latency, bootstrap, memory.
 
-Everything runs against a private redis-server on a free loopback port (``tests.redis_server``,
-so run it from the repository root):
+Everything runs against a private redis-server on a free loopback port (``kvroute.local_redis``):
 
 1. **Publish throughput**: one ``KVPublisher`` is handed N stored hashes (outbox appends of
    ``APPEND_HASHES``); timed from the first append until Redis's blocks set holds all N.
-   Meanwhile the heartbeat's TTL is sampled: the publisher holds one lock over a whole drain, so a
-   long burst delays heartbeats, and one that expires makes every mirror drop the replica.
+   Meanwhile the heartbeat's TTL is sampled: a long burst must not starve heartbeats, or every
+   mirror would drop the replica when one expires.
 2. **Mirror apply rate**: an ``IndexMirror`` in a process of its own (as on a gateway), bootstrapped
    and tailing before the first append; timed from the first stored entry's publish time to its
    index holding all N, with its lag gauge at that moment. That rate cannot beat the publisher's,
@@ -55,10 +54,10 @@ from redis.asyncio import Redis
 from gateway.block_index import BlockIndex
 from gateway.index_mirror import IndexMirror
 from kvroute.blocks import DEFAULT_BLOCK_SIZE, PROTOCOL_VERSION
+from kvroute.local_redis import RedisServer
 from kvroute.redis_schema import EventKind, Keys, decode_event
 from replica.kv_events import KVEventKind, KVEventOutbox
 from replica.kv_publisher import KVPublisher, PublisherConfig
-from tests.redis_server import RedisServer
 
 if TYPE_CHECKING:
     from replica.engine import EngineStats

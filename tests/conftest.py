@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
+from kvroute.local_redis import RedisServer
 from replica.engine import LLMEngine
 from replica.engine_config import EngineConfig
 from replica.kv_events import KVEventOutbox
 from replica.test_models import make_test_model
-from tests.redis_server import RedisServer
 
 
 @pytest.fixture(scope="session")

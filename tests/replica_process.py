@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.redis_server import free_port
+from kvroute.local_redis import free_port
 
 
 class ReplicaProcess:

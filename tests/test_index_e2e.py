@@ -18,9 +18,9 @@ from openai import OpenAI
 
 from gateway.index_mirror import IndexMirror
 from kvroute.blocks import block_hashes, model_seed
+from kvroute.local_redis import RedisServer
 from kvroute.openai_protocol import ChatCompletionRequest, parse_request
 from kvroute.tokenizer import TextTokenizer
-from tests.redis_server import RedisServer
 from tests.replica_process import ReplicaProcess
 
 SYSTEM = "You are a careful assistant. " * 12

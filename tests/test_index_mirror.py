@@ -21,13 +21,13 @@ from redis.asyncio import Redis
 
 from gateway.index_mirror import IndexMirror
 from kvroute.blocks import block_hashes, model_seed
+from kvroute.local_redis import RedisServer
 from kvroute.redis_schema import HEARTBEAT_FIELDS, EventKind, Keys, encode_event, hash_member
 from replica.engine import EngineStats
 from replica.kv_events import KVEventOutbox
 from replica.kv_pool import KVPool
 from replica.kv_publisher import KVPublisher, PublisherConfig
 from replica.radix_cache import RadixCache
-from tests.redis_server import RedisServer
 
 BLOCK = 4
 FINGERPRINT = "test-tokenizer"

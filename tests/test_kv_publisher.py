@@ -22,13 +22,13 @@ import pytest
 import redis
 
 from kvroute.blocks import PROTOCOL_VERSION, block_hashes
+from kvroute.local_redis import RedisServer
 from kvroute.redis_schema import HEARTBEAT_FIELDS, Event, EventKind, Keys, decode_event
 from replica.engine import EngineStats, LLMEngine
 from replica.kv_events import KVEventKind, KVEventOutbox
 from replica.kv_publisher import KVPublisher, PublisherConfig, default_advertise_url, default_replica_id
 from replica.sampling_params import SamplingParams
 from tests.conftest import EngineFactory
-from tests.redis_server import RedisServer
 from tests.replica_process import ReplicaProcess
 from tests.test_engine_logits import random_prompt
 

@@ -1,4 +1,8 @@
-"""A private redis-server on a free loopback port, which tests may stop and start again."""
+"""A private redis-server on a free loopback port: for tests, benchmarks and one-machine stacks.
+
+It keeps nothing on disk, and can be stopped and started again on the same port (tests use that
+to simulate an outage).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """Runs ``redis-server`` without persistence; ``stop()``/``start()`` simulate an outage."""
+    """Runs ``redis-server`` without persistence; ``stop()`` then ``start()`` restarts it empty."""
 
     def __init__(self, workdir: Path, port: int | None = None) -> None:
         executable = shutil.which("redis-server")
