@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.bias import causal_lower_right
 
-from replica.attention import AttentionBatch, PrefillSpan
+from replica.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask
 from replica.kv_pool import KVPool
 from replica.model import DecoderLM
 from replica.scheduler import ScheduledBatch
@@ -81,7 +80,8 @@ class ModelRunner:
             if start == 0:
                 prefills.append(PrefillSpan(flat, length, None, None))
             else:
-                prefills.append(PrefillSpan(flat, length, slots, causal_lower_right(length, context)))
+                mask = bottom_right_causal_mask(length, context, self.device)
+                prefills.append(PrefillSpan(flat, length, slots, mask))
             flat += length
         slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
         return AttentionBatch(slot_mapping, len(batch.decodes), decode_slots, decode_mask, prefills)
