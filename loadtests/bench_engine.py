@@ -33,9 +33,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from loadtests.report import cpu_model, package_version, warn_if_busy
+from loadtests.report import progress as log_progress
 
 if TYPE_CHECKING:
     from replica.engine import LLMEngine
@@ -77,7 +79,6 @@ TTFT_CACHE_SPEEDUP_TARGET = 20.0  # cold / cached-prefix TTFT
 FLOOR_RATIO_TARGET = 2.0  # batch-1 ms/step / bandwidth floor
 
 WARMUP_NEW_TOKENS = 2
-BUSY_LOAD = 0.5  # 1-minute load average above which other processes would skew the numbers
 BANDWIDTH_TRIES = 5
 MB = 1e6
 
@@ -104,8 +105,7 @@ class Settings:
 
 
 def progress(message: str) -> None:
-    """Progress goes to stderr, so stdout carries only the table."""
-    print(f"[bench_engine {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    log_progress("bench_engine", message)
 
 
 def random_prompts(rng: random.Random, count: int, length: int, vocab_size: int) -> list[list[int]]:
@@ -380,21 +380,9 @@ def measure_read_bandwidth(mib: int, threads: int) -> float:
     return data.numel() * data.element_size() / best
 
 
-def package_version(name: str) -> str:
-    try:
-        return version(name)
-    except PackageNotFoundError:
-        return "not installed"
-
-
 def machine_info(threads: int) -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), platform.processor()
-    )
     return {
-        "cpu": cpu or "unknown",
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "threads": threads,
         "torch": package_version("torch"),
@@ -655,9 +643,7 @@ def main(argv: list[str] | None = None) -> int:
         worker(json.loads(args.worker))
         return 0
     s = resolve_settings(args)
-    load = os.getloadavg()[0]
-    if load > BUSY_LOAD:
-        progress(f"warning: 1-minute load average is {load:.1f}; other processes will skew the numbers")
+    load = warn_if_busy("bench_engine")
     progress(f"measuring memory read bandwidth over {s.bandwidth_mib} MiB")
     bandwidth = measure_read_bandwidth(s.bandwidth_mib, s.threads)
     results, all_checks = collect(s, bandwidth)

@@ -41,7 +41,6 @@ import time
 import tracemalloc
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass
-from importlib.metadata import version
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -56,6 +55,8 @@ from gateway.index_mirror import IndexMirror
 from kvroute.blocks import DEFAULT_BLOCK_SIZE, PROTOCOL_VERSION
 from kvroute.local_redis import RedisServer
 from kvroute.redis_schema import EventKind, Keys, decode_event
+from loadtests.report import cpu_model, package_version, warn_if_busy
+from loadtests.report import progress as log_progress
 from replica.kv_events import KVEventKind, KVEventOutbox
 from replica.kv_publisher import KVPublisher, PublisherConfig
 
@@ -84,7 +85,6 @@ WARMUP_LOOKUPS = 200
 POLL_S = 0.002  # how often completion is polled
 FRESH_HEARTBEAT_MS = 1000  # TTL left on a heartbeat refreshed within the last second (defaults: 2 s, 0.5 s)
 SECONDS_PER_HASH = 20e-6  # generous deadline slack for the publish and apply phases
-BUSY_LOAD = 0.5  # 1-minute load average above which other processes would skew the numbers
 
 LOOKUP_P99_TARGET_US = 100.0
 BOOTSTRAP_TARGET_S = 2.0
@@ -100,8 +100,7 @@ class Settings:
 
 
 def progress(message: str) -> None:
-    """Progress goes to stderr, so stdout carries only the table."""
-    print(f"[bench_index {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+    log_progress("bench_index", message)
 
 
 def random_hashes(rng: np.random.Generator, count: int) -> np.ndarray:
@@ -591,16 +590,13 @@ def markdown_table(s: Settings, results: dict[str, Any], outcome: dict[str, bool
 
 
 def machine_info(redis_version: str, load: float) -> dict[str, Any]:
-    cpuinfo = Path("/proc/cpuinfo")
-    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
-    cpu = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
     return {
-        "cpu": cpu or platform.processor() or "unknown",
+        "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "python": platform.python_version(),
         "redis_server": redis_version,
-        "redis_py": version("redis"),
-        "hiredis": version("hiredis"),
+        "redis_py": package_version("redis"),
+        "hiredis": package_version("hiredis"),
         "load_average_at_start": load,
     }
 
@@ -689,9 +685,7 @@ def measure(s: Settings, server: RedisServer) -> tuple[dict[str, Any], dict[str,
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     s = resolve_settings(parse_args(argv))
-    load = os.getloadavg()[0]
-    if load > BUSY_LOAD:
-        progress(f"warning: 1-minute load average is {load:.1f}; other processes will skew the numbers")
+    load = warn_if_busy("bench_index")
     with tempfile.TemporaryDirectory(prefix="bench_index.") as workdir:
         server = RedisServer(Path(workdir))
         server.start()
