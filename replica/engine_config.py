@@ -15,7 +15,7 @@ class EngineConfig:
     model: Path
     served_model_name: str | None = None  # defaults to the model directory's name
     device: str = "cpu"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (auto: config's dtype on cuda, fp32 on cpu)
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (see engine.resolve_dtype)
     threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
     block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV page = tokens per hashed block
     kv_cache_tokens: int | None = None  # KV pool size in tokens; overrides kv_cache_memory_gb
