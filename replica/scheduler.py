@@ -53,11 +53,17 @@ class Scheduler:
             self.waiting.remove(seq)
 
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self._schedule_decodes(batch, self.token_budget)
-        budget = self._schedule_prefill_chunks(batch, budget)
-        self._admit_waiting(batch, budget)
-        return batch
+        while True:
+            batch = ScheduledBatch()
+            budget = self._schedule_decodes(batch, self.token_budget)
+            budget = self._schedule_prefill_chunks(batch, budget)
+            self._admit_waiting(batch, budget)
+            if batch or len(self.running) < 2:
+                return batch
+            # Every running sequence is mid-prefill and none can get a page: preempt the youngest
+            # so the others can move (one sequence alone always fits: the context window is capped
+            # by the pool).
+            self._preempt(self.running[-1])
 
     def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
         for seq in [s for s in self.running if s.num_uncomputed == 1]:

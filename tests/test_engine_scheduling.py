@@ -13,6 +13,7 @@ from replica.kv_events import KVEventKind
 from replica.outputs import RequestOutput, TokenLogprob
 from replica.sampler import _apply_penalties
 from replica.sampling_params import SamplingParams
+from replica.sequence import SequenceStatus
 from tests.conftest import EngineFactory
 from tests.test_engine_logits import random_prompt
 
@@ -247,4 +248,25 @@ def test_events_record_stores_and_evictions(make_engine: EngineFactory) -> None:
     events = engine.cache.outbox.drain()  # type: ignore[union-attr]
     removed = {h for e in events if e.kind is KVEventKind.REMOVED for h in e.block_hashes}
     assert removed and removed.issubset(set(stored))
+    engine.check_integrity()
+
+
+def test_prefills_starved_of_pages_preempt_instead_of_hanging(make_engine: EngineFactory) -> None:
+    """Two sequences mid-prefill holding every page between them: one must yield."""
+    engine = make_engine(kv_cache_tokens=160)  # 10 pages
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("a", random_prompt(150, seed=40), params)
+    engine.add_request("b", random_prompt(150, seed=41), params)
+    a, b = (engine._requests[rid].seqs[0] for rid in ("a", "b"))
+    for seq, pages in ((a, 5), (b, 5)):  # force the state: both admitted, 80 of 150 tokens done
+        engine.scheduler.waiting.remove(seq)
+        engine.kv.admit(seq)
+        assert engine.kv.reserve(seq, pages * 16)
+        seq.num_computed = 80
+        seq.status = SequenceStatus.RUNNING
+        engine.scheduler.running.append(seq)
+    assert engine.pool.num_free == 0
+    result = run_all(engine, max_steps=200)
+    assert sorted(result.final) == ["a", "b"]
+    assert engine.stats().num_preemptions >= 1
     engine.check_integrity()
