@@ -131,10 +131,46 @@ def _run_memory(args: argparse.Namespace) -> None:
     print(format_plan(plan))
 
 
+def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "gateway", help="OpenAI base URL routing each request to the replica holding its prefix"
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--redis", required=True, help="redis://HOST:PORT/DB the replicas publish to")
+    p.add_argument("--redis-prefix", default="kvroute", help="key prefix in Redis")
+    p.add_argument(
+        "--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random", "session"]
+    )
+    p.add_argument("--lam", type=float, default=1.0, help="kv policy: weight of load against uncached tokens")
+    p.add_argument("--max-queue", type=int, help="per-replica cap on waiting + in-flight requests")
+    p.add_argument("--prediction-ttl", type=float, default=2.0, help="seconds routed blocks count as cached")
+    p.add_argument(
+        "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)"
+    )
+    p.add_argument("--log-level", default="info")
+
+
+def _run_gateway(args: argparse.Namespace) -> None:
+    from gateway.app import GatewaySettings, run_gateway
+
+    settings = GatewaySettings(
+        redis_url=args.redis,
+        redis_prefix=args.redis_prefix,
+        policy=args.policy,
+        lam=args.lam,
+        max_queue=args.max_queue,
+        prediction_ttl_s=args.prediction_ttl,
+        max_body_bytes=args.max_body_bytes,
+    )
+    run_gateway(settings, args.host, args.port, args.log_level)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_replica_parser(sub)
+    _add_gateway_parser(sub)
     p = sub.add_parser(
         "prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to an HF directory"
     )
@@ -153,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 _HANDLERS = {
     "replica": _run_replica,
+    "gateway": _run_gateway,
     "prepare-model": _run_prepare_model,
     "make-test-model": _run_make_test_model,
     "memory": _run_memory,

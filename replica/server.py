@@ -6,21 +6,21 @@ as a logged 500, never Starlette's plain-text or HTML pages, because clients par
 
 from __future__ import annotations
 
-import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kvroute.errors import APIError, internal_error, model_not_found
+from kvroute.errors import APIError, model_not_found
+from kvroute.http import Handler, http_error, openai_errors, read_body
 from kvroute.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,58 +33,12 @@ from replica.engine_config import EngineConfig
 from replica.kv_events import KVEventOutbox
 from replica.kv_publisher import KVPublisher, PublisherConfig
 from replica.metrics import ReplicaMetrics
-from replica.serving import CLIENT_CLOSED_REQUEST, OpenAIServing
+from replica.serving import OpenAIServing
 
 log = logging.getLogger("kvroute.replica")
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM
-
-Handler = Callable[[Request], Awaitable[Response]]
-
-
-def _openai_errors(handler: Handler) -> Handler:
-    """Turns whatever a handler raises into an OpenAI error reply (500s logged with traceback)."""
-
-    @functools.wraps(handler)
-    async def guarded(request: Request) -> Response:
-        try:
-            return await handler(request)
-        except APIError as error:
-            return error.to_response()
-        except ClientDisconnect:
-            return Response(status_code=CLIENT_CLOSED_REQUEST)
-        except Exception:
-            log.exception("unhandled error in %s %s", request.method, request.url.path)
-            return internal_error().to_response()
-
-    return guarded
-
-
-async def _http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own 404/405 (unknown route, wrong method) in OpenAI's shape."""
-    assert isinstance(exc, HTTPException)
-    return APIError(str(exc.detail), exc.status_code).to_response()
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` (never read in full)."""
-    declared = request.headers.get("content-length")
-    if declared is not None and not declared.isdigit():
-        raise APIError("Invalid Content-Length header.")
-    if declared is not None and int(declared) > limit:
-        raise _too_large(limit)
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def _too_large(limit: int) -> APIError:
-    return APIError(f"Request body too large: the limit is {limit} bytes.", 413, code="request_too_large")
 
 
 class _ReplicaAPI:
@@ -105,11 +59,12 @@ class _ReplicaAPI:
             ("/v1/models/{model:path}", self.model, "GET"),
             ("/tokenize", self.tokenize, "POST"),
             ("/detokenize", self.detokenize, "POST"),
+            ("/kvroute/tokenizer", self.tokenizer_files, "GET"),
             ("/reset_prefix_cache", self.reset_prefix_cache, "POST"),
             ("/health", self.health, "GET"),
             ("/metrics", self.prometheus, "GET"),
         ]
-        return [Route(path, _openai_errors(handler), methods=[method]) for path, handler, method in endpoints]
+        return [Route(path, openai_errors(handler), methods=[method]) for path, handler, method in endpoints]
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.engine.served_model_name:
@@ -176,6 +131,21 @@ class _ReplicaAPI:
             )
         return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
+    async def tokenizer_files(self, request: Request) -> Response:
+        """The tokenizer's source files, so a gateway can tokenize exactly as this replica does
+        without model files of its own (it rebuilds them and checks the fingerprint)."""
+        tokenizer = self.engine.tokenizer
+        return JSONResponse(
+            {
+                "model": self.engine.served_model_name,
+                "fingerprint": tokenizer.fingerprint,
+                "block_size": self.engine.stats().block_size,
+                "tokenizer_json": tokenizer.tokenizer_json,
+                "chat_template": tokenizer.chat_template,
+                "tokenizer_config": tokenizer.tokenizer_config,
+            }
+        )
+
     async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's endpoint: drop every cached page no running request uses (removed events follow)."""
         return JSONResponse({"evicted_pages": await self.engine.reset_prefix_cache()})
@@ -218,7 +188,7 @@ def build_app(
             await engine.shutdown()
 
     api = _ReplicaAPI(engine, max_body_bytes)
-    return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: _http_error})
+    return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: http_error})
 
 
 def _make_publisher(engine: AsyncEngine, config: PublisherConfig) -> KVPublisher:

@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute.errors import APIError, internal_error
+from kvroute.http import CLIENT_CLOSED_REQUEST
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, Prompt
 from kvroute.tokenizer import TextTokenizer
 from replica.async_engine import AsyncEngine, EngineDeadError
@@ -37,7 +38,6 @@ log = logging.getLogger("kvroute.replica")
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens with this value
 _DONE = "data: [DONE]\n\n"
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
 
 
 # --- engine side: one API request = several engine requests ------------------------------------

@@ -1,4 +1,4 @@
-"""A real replica (``kvroute replica``) in a subprocess, for tests that talk to it over HTTP."""
+"""Real ``kvroute`` services (a replica, a gateway) in subprocesses, for tests that talk HTTP."""
 
 from __future__ import annotations
 
@@ -13,15 +13,15 @@ import pytest
 from kvroute.local_redis import free_port
 
 
-class ReplicaProcess:
-    """Starts ``kvroute replica --model DIR`` on a free port and waits until /health answers."""
+class KvrouteProcess:
+    """Starts ``kvroute SUBCOMMAND ...`` on a free port and waits until /health answers."""
 
-    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+    def __init__(self, subcommand: str, log_path: Path, *args: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         command = [
-            sys.executable, "-m", "kvroute.cli", "replica", "--model", str(model_dir),
+            sys.executable, "-m", "kvroute.cli", subcommand,
             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args,
         ]  # fmt: skip
         with log_path.open("wb") as log:
@@ -36,14 +36,14 @@ class ReplicaProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                pytest.fail(f"replica exited with {self.process.returncode}:\n{self.log_path.read_text()}")
+                pytest.fail(f"process exited with {self.process.returncode}:\n{self.log_path.read_text()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        pytest.fail(f"replica not healthy after {timeout} s:\n{self.log_path.read_text()}")
+        pytest.fail(f"process not healthy after {timeout} s:\n{self.log_path.read_text()}")
 
     def terminate(self, timeout: float = 30) -> int:
         """SIGTERM (graceful: drains, deregisters), then SIGKILL if it hangs; returns the exit code."""
@@ -59,3 +59,10 @@ class ReplicaProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+
+
+class ReplicaProcess(KvrouteProcess):
+    """``kvroute replica --model DIR ...``."""
+
+    def __init__(self, model_dir: Path, log_path: Path, *args: str) -> None:
+        super().__init__("replica", log_path, "--model", str(model_dir), *args)

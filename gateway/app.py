@@ -1,0 +1,242 @@
+"""The gateway's HTTP face: an OpenAI base URL that routes each request to a replica.
+
+Per request: validate (the shared OpenAI schema, so bad input never reaches a replica), find the
+model's live replicas in the Redis index mirror, tokenize exactly as they do (their own tokenizer,
+fetched once and checked against the fingerprint they registered), hash the prompt's blocks, let
+the policy choose, then proxy (``gateway.proxy``): retried on the next-best replica until a byte
+has reached the client, streamed through untouched, with ``x-kvroute-replica`` and
+``x-kvroute-predicted-cached-tokens`` headers.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from gateway.index_mirror import IndexMirror
+from gateway.metrics import GatewayMetrics
+from gateway.policies import make_policy
+from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, open_upstream, with_usage_requested
+from gateway.routing import Router
+from gateway.tokenizers import TokenizerError, TokenizerRegistry
+from kvroute.errors import APIError, model_not_found
+from kvroute.http import http_error, openai_errors, read_body
+from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvroute.redis_schema import DEFAULT_PREFIX
+from kvroute.tokenizer import TextTokenizer
+
+log = logging.getLogger("kvroute.gateway")
+
+_JSON = {"content-type": "application/json"}
+
+
+@dataclass
+class GatewaySettings:
+    redis_url: str
+    redis_prefix: str = DEFAULT_PREFIX
+    policy: str = "kv"
+    lam: float = 1.0
+    max_queue: int | None = None  # per-replica cap on waiting + in-flight requests
+    prediction_ttl_s: float = 2.0  # how long routed blocks count as held before events confirm them
+    max_body_bytes: int = 8 * 1024 * 1024
+    upstream_timeout_s: float = 600.0
+    poll_interval_s: float = 0.5
+
+
+class _GatewayAPI:
+    def __init__(self, settings: GatewaySettings, registry: CollectorRegistry) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.mirror = IndexMirror(
+            settings.redis_url,
+            prefix=settings.redis_prefix,
+            poll_interval=settings.poll_interval_s,
+            registry=registry,
+        )
+        policy_settings: dict[str, Any] = {"lam": settings.lam}
+        if settings.max_queue is not None:
+            policy_settings["max_queue"] = settings.max_queue
+        self.router = Router(self.mirror, make_policy(settings.policy, **policy_settings))
+        self.metrics = GatewayMetrics(registry)
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(settings.upstream_timeout_s, connect=2.0),
+            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+        )
+        self.tokenizers = TokenizerRegistry(self.http)
+
+    def routes(self) -> list[Route]:
+        endpoints = [
+            ("/v1/chat/completions", self.chat, "POST"),
+            ("/v1/completions", self.completions, "POST"),
+            ("/v1/models", self.models, "GET"),
+            ("/health", self.health, "GET"),
+            ("/metrics", self.prometheus, "GET"),
+        ]
+        return [Route(path, openai_errors(handler), methods=[method]) for path, handler, method in endpoints]
+
+    async def chat(self, request: Request) -> Response:
+        raw = await read_body(request, self.settings.max_body_bytes)
+        return await self._generate(
+            request, raw, parse_request(ChatCompletionRequest, raw), "/v1/chat/completions"
+        )
+
+    async def completions(self, request: Request) -> Response:
+        raw = await read_body(request, self.settings.max_body_bytes)
+        return await self._generate(request, raw, parse_request(CompletionRequest, raw), "/v1/completions")
+
+    async def _prompt_ids(
+        self, tokenizer: TextTokenizer, body: ChatCompletionRequest | CompletionRequest
+    ) -> list[int]:
+        """The ids the replica will see (for a batch of completions prompts: the first one's)."""
+        try:
+            if isinstance(body, ChatCompletionRequest):
+                return await self.tokenizers.encode_chat(tokenizer, *body.template_inputs())
+            prompt = body.prompt[0]
+            return (
+                list(prompt)
+                if isinstance(prompt, list)
+                else await self.tokenizers.encode_prompt(tokenizer, prompt)
+            )
+        except ValueError as error:
+            raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
+
+    async def _generate(
+        self, request: Request, raw: bytes, body: ChatCompletionRequest | CompletionRequest, path: str
+    ) -> Response:
+        started = time.monotonic()
+        fingerprint, replicas = self.router.replicas_by_fingerprint(body.model)
+        if fingerprint is None:
+            raise model_not_found(body.model)
+        urls = [r.url for r in replicas if r.fingerprint == fingerprint]
+        try:
+            tokenizer = await self.tokenizers.get(body.model, fingerprint, urls)
+        except TokenizerError as error:
+            raise APIError(
+                f"Cannot tokenize for {body.model}: {error}", 503, code="tokenizer_unavailable"
+            ) from None
+        prompt_ids = await self._prompt_ids(tokenizer, body)
+        route = self.router.route(
+            body.model, fingerprint, replicas, prompt_ids, request.headers.get("x-session-id")
+        )
+        self.metrics.routing.observe(time.monotonic() - started)
+        if route.decision.replica_id is None:
+            raise APIError(
+                "Every replica of this model has a full queue; retry later.", 429, code="rate_limit_exceeded"
+            )
+        payload, client_wants_usage = with_usage_requested(json.loads(raw))
+        try:
+            upstream = await open_upstream(
+                self.http, [r.url for r in route.ordered], path, json.dumps(payload).encode(), _JSON
+            )
+        except UpstreamUnavailable as error:
+            raise APIError(
+                f"No replica could take the request: {error}", 503, code="service_unavailable"
+            ) from None
+        replica = next(r for r in route.ordered if r.url == upstream.url)
+        predicted = route.predicted_tokens.get(replica.replica_id, 0)
+        self.mirror.predict(replica.replica_id, route.hashes, self.settings.prediction_ttl_s)
+        ticket = self.router.sent(replica.replica_id, len(prompt_ids) - predicted)
+        labels = (body.model, replica.replica_id, route.decision.policy, str(upstream.response.status_code))
+        self.metrics.requests.labels(*labels).inc()
+        self.metrics.retries.labels(body.model).inc(len(upstream.failures))
+        self.metrics.prompt_tokens.labels(body.model).inc(len(prompt_ids))
+        self.metrics.predicted_cached_tokens.labels(body.model).inc(predicted)
+        headers = {
+            "x-kvroute-replica": replica.replica_id,
+            "x-kvroute-predicted-cached-tokens": str(predicted),
+        }
+        if body.stream and upstream.response.status_code == 200:
+            relay = SSERelay(upstream.response, forward_usage=client_wants_usage)
+            events = self._relay(relay, ticket, body.model, started)
+            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        try:
+            content = await upstream.response.aread()
+        finally:
+            await upstream.response.aclose()
+            self.router.done(ticket)
+        self.metrics.e2e.labels(body.model).observe(time.monotonic() - started)
+        if upstream.response.status_code == 200:
+            self._count_cached(body.model, json.loads(content).get("usage"))
+        return Response(
+            content, status_code=upstream.response.status_code, headers=headers, media_type="application/json"
+        )
+
+    async def _relay(self, relay: SSERelay, ticket: int, model: str, started: float) -> AsyncIterator[bytes]:
+        """The replica's events; however the stream ends (the client may leave), the upstream
+        request is closed, so the replica aborts it and frees its pages."""
+        try:
+            async with aclosing(aiter(relay)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.router.done(ticket)
+            if relay.first_event_at is not None:
+                self.metrics.ttft.labels(model).observe(relay.first_event_at - started)
+            self.metrics.e2e.labels(model).observe(time.monotonic() - started)
+            self._count_cached(model, relay.usage)
+
+    def _count_cached(self, model: str, usage: dict[str, Any] | None) -> None:
+        tokens = cached_tokens(usage)
+        if tokens is not None:
+            self.metrics.cached_tokens.labels(model).inc(tokens)
+
+    async def models(self, request: Request) -> Response:
+        names = sorted({r.model for r in self.mirror.replicas()})
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "status": "ok",
+                "redis": "stale" if self.mirror.stale else "ok",
+                "replicas": len(self.mirror.replicas()),
+            }
+        )
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_app(settings: GatewaySettings) -> Starlette:
+    """The gateway app; its lifespan starts the index mirror and closes the upstream pool."""
+    api = _GatewayAPI(settings, CollectorRegistry())
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await api.mirror.start()
+        try:
+            yield
+        finally:
+            await api.mirror.stop()
+            await api.http.aclose()
+
+    return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(log_level.upper())
+    app = build_app(settings)
+    log.info(
+        "gateway at http://%s:%d/v1 (policy %s, index from %s)",
+        host,
+        port,
+        settings.policy,
+        settings.redis_url,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

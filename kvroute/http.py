@@ -1,0 +1,64 @@
+"""HTTP pieces the replica server and the gateway share: bounded bodies, OpenAI-shaped failures."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Awaitable, Callable
+
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from kvroute.errors import APIError, internal_error
+
+log = logging.getLogger("kvroute.http")
+
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def openai_errors(handler: Handler) -> Handler:
+    """Turns whatever a handler raises into an OpenAI error reply (500s logged with traceback),
+    because clients parse every reply and Starlette's own pages are plain text or HTML."""
+
+    @functools.wraps(handler)
+    async def guarded(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except APIError as error:
+            return error.to_response()
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except Exception:
+            log.exception("unhandled error in %s %s", request.method, request.url.path)
+            return internal_error().to_response()
+
+    return guarded
+
+
+async def http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own 404/405 (unknown route, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    return APIError(str(exc.detail), exc.status_code).to_response()
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` (never read in full)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and not declared.isdigit():
+        raise APIError("Invalid Content-Length header.")
+    if declared is not None and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(f"Request body too large: the limit is {limit} bytes.", 413, code="request_too_large")

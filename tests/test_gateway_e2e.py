@@ -1,0 +1,131 @@
+"""The gateway end to end: redis-server, two replicas on the tiny model, the gateway, all real
+processes, driven by the official ``openai`` client with only ``base_url`` and ``api_key`` set."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from openai import OpenAI
+
+from kvroute.local_redis import RedisServer
+from tests.replica_process import KvrouteProcess, ReplicaProcess
+
+BLOCK = 16
+
+
+@dataclass
+class Stack:
+    model: str
+    gateway: KvrouteProcess
+    replicas: list[ReplicaProcess]
+    client: OpenAI
+
+
+@pytest.fixture(scope="module")
+def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    workdir = tmp_path_factory.mktemp("gateway-stack")
+    redis = RedisServer(workdir)
+    redis.start()
+    replicas: list[ReplicaProcess] = []
+    gateway = None
+    try:
+        for i in range(2):
+            replicas.append(
+                ReplicaProcess(
+                    llama_dir,
+                    workdir / f"replica{i}.log",
+                    "--dtype",
+                    "float32",
+                    "--kv-cache-tokens",
+                    "8192",
+                    "--redis",
+                    redis.url,
+                    "--heartbeat-interval",
+                    "0.2",
+                )
+            )
+        gateway = KvrouteProcess("gateway", workdir / "gateway.log", "--redis", redis.url)
+        deadline = time.monotonic() + 20
+        while httpx.get(f"{gateway.url}/health", timeout=5).json()["replicas"] < 2:
+            assert time.monotonic() < deadline, "the gateway never saw both replicas"
+            time.sleep(0.1)
+        client = OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+        yield Stack(llama_dir.name, gateway, replicas, client)
+    finally:
+        if gateway is not None:
+            gateway.terminate()
+        for replica in replicas:
+            replica.terminate()
+        redis.stop()
+
+
+def chat(
+    stack: Stack, messages: list[dict[str, str]], **fields: object
+) -> tuple[str, openai.types.chat.ChatCompletion]:
+    """One non-streaming chat; returns the replica that served it and the completion."""
+    raw = stack.client.chat.completions.with_raw_response.create(
+        model=stack.model, messages=messages, max_tokens=6, temperature=0, **fields
+    )
+    return raw.headers["x-kvroute-replica"], raw.parse()
+
+
+def test_chat_and_completions_through_the_gateway(stack: Stack) -> None:
+    replica, reply = chat(stack, [{"role": "user", "content": "Hello there, gateway."}])
+    assert replica in {f"127.0.0.1:{r.port}" for r in stack.replicas}
+    assert reply.usage is not None and reply.usage.prompt_tokens_details is not None
+    completion = stack.client.completions.create(model=stack.model, prompt="Once upon a time", max_tokens=5)
+    assert completion.choices[0].text and completion.usage.completion_tokens == 5
+    assert [m.id for m in stack.client.models.list().data] == [stack.model]
+
+
+def test_streaming_with_and_without_usage(stack: Stack) -> None:
+    messages = [{"role": "user", "content": "Stream me a few words."}]
+    plain = list(
+        stack.client.chat.completions.create(model=stack.model, messages=messages, max_tokens=6, stream=True)
+    )
+    assert all(chunk.choices for chunk in plain), "usage the client did not ask for must not appear"
+    with_usage = list(
+        stack.client.chat.completions.create(
+            model=stack.model,
+            messages=messages,
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert with_usage[-1].choices == [] and with_usage[-1].usage.completion_tokens == 6
+
+
+def test_a_conversation_stays_where_its_prefix_is_cached(stack: Stack) -> None:
+    messages = [{"role": "system", "content": "You answer questions about routing. " * 8}]
+    served_by, previous_prompt = set(), 0
+    for turn in range(4):
+        messages.append({"role": "user", "content": f"Question number {turn}: where am I cached?"})
+        replica, reply = chat(stack, messages)
+        assert reply.usage is not None
+        cached = reply.usage.prompt_tokens_details.cached_tokens
+        if turn:
+            served_by.add(replica)
+            assert cached >= previous_prompt // BLOCK * BLOCK - BLOCK, (turn, cached, previous_prompt)
+        previous_prompt = reply.usage.prompt_tokens
+        messages.append({"role": "assistant", "content": reply.choices[0].message.content or ""})
+    assert len(served_by) == 1, f"turns 2-4 should stick to one replica, went to {served_by}"
+
+
+def test_errors_reach_the_sdk_as_its_exception_classes(stack: Stack) -> None:
+    with pytest.raises(openai.NotFoundError):
+        stack.client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "x"}]
+        )
+    with pytest.raises(openai.BadRequestError):
+        stack.client.chat.completions.create(model=stack.model, messages=[])
+    with pytest.raises(openai.BadRequestError):
+        stack.client.chat.completions.create(
+            model=stack.model, messages=[{"role": "user", "content": "x"}], temperature=-1
+        )
