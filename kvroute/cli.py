@@ -166,9 +166,38 @@ def _run_gateway(args: argparse.Namespace) -> None:
     run_gateway(settings, args.host, args.port, args.log_level)
 
 
+def _add_up_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "up", help="a private Redis, N replicas and the gateway on this machine, in one command"
+    )
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--model", type=Path, help="HF model directory (default: prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--host", default="127.0.0.1", help="where the gateway listens")
+    p.add_argument("--port", type=int, default=8000, help="the gateway's port")
+    p.add_argument("--redis", help="use this Redis instead of starting a private one")
+    p.add_argument(
+        "--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random", "session"]
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool budget per replica, GiB")
+
+
+def _run_up(args: argparse.Namespace) -> None:
+    from kvroute.stack import StackSettings, run_stack
+
+    if args.replicas < 1:
+        raise ValueError("--replicas must be at least 1")
+    replica_args = ["--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    settings = StackSettings(
+        args.replicas, args.model, args.host, args.port, args.redis, args.policy, replica_args
+    )
+    run_stack(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_up_parser(sub)
     _add_replica_parser(sub)
     _add_gateway_parser(sub)
     p = sub.add_parser(
@@ -188,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _HANDLERS = {
+    "up": _run_up,
     "replica": _run_replica,
     "gateway": _run_gateway,
     "prepare-model": _run_prepare_model,

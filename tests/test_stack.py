@@ -1,0 +1,81 @@
+"""``kvroute up`` end to end on the tiny model: healthy, serves, stops every child, refuses busy ports."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from kvroute.local_redis import free_port
+
+
+def children_of(pid: int) -> set[int]:
+    """PIDs whose parent is ``pid`` (from /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.add(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def up(llama_dir: Path, port: int) -> subprocess.Popen[str]:
+    command = [
+        sys.executable, "-m", "kvroute.cli", "up", "--model", str(llama_dir), "--port", str(port),
+        "--replicas", "2", "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
+    ]  # fmt: skip
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_up_serves_and_stops_cleanly(llama_dir: Path) -> None:
+    port = free_port()
+    stack = up(llama_dir, port)
+    try:
+        assert stack.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 180
+        while not any("kvroute is up" in line for line in lines):
+            assert time.monotonic() < deadline and stack.poll() is None, "".join(lines)
+            lines.append(stack.stdout.readline())
+        base_url = re.search(r"OpenAI base URL (\S+)", "".join(lines)).group(1)  # type: ignore[union-attr]
+        reply = OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(
+            model=llama_dir.name, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4
+        )
+        assert reply.choices[0].message.content is not None
+        children = children_of(stack.pid)
+        assert len(children) >= 4, "redis-server, two replicas and the gateway"
+
+        busy = up(llama_dir, port)
+        output, _ = busy.communicate(timeout=120)
+        assert busy.returncode != 0 and f"port {port}" in output and "busy" in output
+
+        stack.send_signal(signal.SIGTERM)
+        stack.wait(timeout=90)
+        deadline = time.monotonic() + 10
+        while any(alive(pid) for pid in children) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in children if alive(pid)], "children outlived the stack"
+    finally:
+        if stack.poll() is None:
+            stack.kill()
+            pytest.fail("kvroute up did not stop on SIGTERM")
