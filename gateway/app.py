@@ -23,15 +23,19 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from gateway.index_mirror import IndexMirror
+from gateway.admin import AdminAPI
+from gateway.auth import GatewayAuth
+from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S, ReplicaHealth
+from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.metrics import GatewayMetrics
 from gateway.policies import make_policy
 from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, open_upstream, with_usage_requested
-from gateway.routing import Router
+from gateway.routing import RoutePlan, Router
 from gateway.tokenizers import TokenizerError, TokenizerRegistry
 from kvroute.errors import APIError, model_not_found
 from kvroute.http import http_error, openai_errors, read_body
@@ -42,11 +46,12 @@ from kvroute.tokenizer import TextTokenizer
 log = logging.getLogger("kvroute.gateway")
 
 _JSON = {"content-type": "application/json"}
+_LOAD_ONLY_POLICIES = frozenset({"round-robin", "least-loaded", "random"})  # need no index
 
 
 @dataclass
 class GatewaySettings:
-    redis_url: str
+    redis_url: str | None  # None: no index, replicas from ``replicas`` alone (load-only routing)
     redis_prefix: str = DEFAULT_PREFIX
     policy: str = "kv"
     lam: float = 1.0
@@ -55,14 +60,21 @@ class GatewaySettings:
     max_body_bytes: int = 8 * 1024 * 1024
     upstream_timeout_s: float = 600.0
     poll_interval_s: float = 0.5
+    replicas: tuple[str, ...] = ()  # static replica URLs: fallback with Redis, the only source without
+    eject_after: int = DEFAULT_EJECT_AFTER  # consecutive failures that take a replica out of rotation
+    probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S  # between health probes of ejected replicas
+    api_keys: tuple[str, ...] = ()  # Bearer keys for /v1 (none: open); see gateway.auth
+    admin_key: str | None = None  # Bearer key for /admin (none: the admin API is disabled)
+    metrics_key_required: bool = False  # /metrics needs a data or admin key
+    replica_key: str | None = None  # Bearer key sent on every call to a replica
 
 
 class _GatewayAPI:
     def __init__(self, settings: GatewaySettings, registry: CollectorRegistry) -> None:
         self.settings = settings
         self.registry = registry
-        self.mirror = IndexMirror(
-            settings.redis_url,
+        self.mirror = IndexMirror(  # never started without Redis: it then stays empty
+            settings.redis_url or "",
             prefix=settings.redis_prefix,
             poll_interval=settings.poll_interval_s,
             registry=registry,
@@ -70,13 +82,22 @@ class _GatewayAPI:
         policy_settings: dict[str, Any] = {"lam": settings.lam}
         if settings.max_queue is not None:
             policy_settings["max_queue"] = settings.max_queue
-        self.router = Router(self.mirror, make_policy(settings.policy, **policy_settings))
         self.metrics = GatewayMetrics(registry)
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
+            headers={"authorization": f"Bearer {settings.replica_key}"} if settings.replica_key else None,
         )
         self.tokenizers = TokenizerRegistry(self.http)
+        self.replica_health = ReplicaHealth(
+            self.http,
+            eject_after=settings.eject_after,
+            probe_interval_s=settings.probe_interval_s,
+            ejections=self.metrics.ejections,
+            static_urls=settings.replicas,
+        )
+        self.router = self._make_router(policy_settings)
+        self.admin = AdminAPI(self)
 
     def routes(self) -> list[Route]:
         endpoints = [
@@ -86,7 +107,10 @@ class _GatewayAPI:
             ("/health", self.health, "GET"),
             ("/metrics", self.prometheus, "GET"),
         ]
-        return [Route(path, openai_errors(handler), methods=[method]) for path, handler, method in endpoints]
+        routes = [
+            Route(path, openai_errors(handler), methods=[method]) for path, handler, method in endpoints
+        ]
+        return routes + self.admin.routes()
 
     async def chat(self, request: Request) -> Response:
         raw = await read_body(request, self.settings.max_body_bytes)
@@ -97,6 +121,18 @@ class _GatewayAPI:
     async def completions(self, request: Request) -> Response:
         raw = await read_body(request, self.settings.max_body_bytes)
         return await self._generate(request, raw, parse_request(CompletionRequest, raw), "/v1/completions")
+
+    def _make_router(self, policy_settings: dict[str, Any]) -> Router:
+        """The configured policy, and a load-only one for when the index cannot be used."""
+        policy = make_policy(self.settings.policy, **policy_settings)
+        load_policy = policy
+        if policy.name not in _LOAD_ONLY_POLICIES:
+            load_policy = make_policy("least-loaded", **policy_settings)
+            if self.settings.redis_url is None:
+                log.warning("policy %s needs the Redis index; routing least-loaded instead", policy.name)
+        use_index = self.settings.redis_url is not None
+        health = self.replica_health
+        return Router(self.mirror, policy, health=health, load_policy=load_policy, use_index=use_index)
 
     async def _prompt_ids(
         self, tokenizer: TextTokenizer, body: ChatCompletionRequest | CompletionRequest
@@ -114,10 +150,14 @@ class _GatewayAPI:
         except ValueError as error:
             raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
 
-    async def _generate(
-        self, request: Request, raw: bytes, body: ChatCompletionRequest | CompletionRequest, path: str
-    ) -> Response:
-        started = time.monotonic()
+    async def decide(
+        self, request: Request, body: ChatCompletionRequest | CompletionRequest
+    ) -> tuple[RoutePlan, list[int]]:
+        """Tokenize as the replicas do and let the policy (or an admin's override) choose.
+
+        The request path and ``POST /admin/route`` both call this, so the explained decision is
+        the one a real request would get.
+        """
         fingerprint, replicas = self.router.replicas_by_fingerprint(body.model)
         if fingerprint is None:
             raise model_not_found(body.model)
@@ -130,8 +170,20 @@ class _GatewayAPI:
             ) from None
         prompt_ids = await self._prompt_ids(tokenizer, body)
         route = self.router.route(
-            body.model, fingerprint, replicas, prompt_ids, request.headers.get("x-session-id")
+            body.model,
+            fingerprint,
+            replicas,
+            prompt_ids,
+            request.headers.get("x-session-id"),
+            policy=self.admin.policy_override(request),
         )
+        return route, prompt_ids
+
+    async def _generate(
+        self, request: Request, raw: bytes, body: ChatCompletionRequest | CompletionRequest, path: str
+    ) -> Response:
+        started = time.monotonic()
+        route, prompt_ids = await self.decide(request, body)
         self.metrics.routing.observe(time.monotonic() - started)
         if route.decision.replica_id is None:
             raise APIError(
@@ -143,9 +195,11 @@ class _GatewayAPI:
                 self.http, [r.url for r in route.ordered], path, json.dumps(payload).encode(), _JSON
             )
         except UpstreamUnavailable as error:
+            self._report_failures(route.ordered, error.failures)
             raise APIError(
                 f"No replica could take the request: {error}", 503, code="service_unavailable"
             ) from None
+        self._report_failures(route.ordered, upstream.failures)
         replica = next(r for r in route.ordered if r.url == upstream.url)
         predicted = route.predicted_tokens.get(replica.replica_id, 0)
         self.mirror.predict(replica.replica_id, route.hashes, self.settings.prediction_ttl_s)
@@ -161,27 +215,64 @@ class _GatewayAPI:
         }
         if body.stream and upstream.response.status_code == 200:
             relay = SSERelay(upstream.response, forward_usage=client_wants_usage)
-            events = self._relay(relay, ticket, body.model, started)
+            events = self._relay(relay, ticket, body.model, started, replica)
             return StreamingResponse(events, media_type="text/event-stream", headers=headers)
         try:
             content = await upstream.response.aread()
+        except httpx.HTTPError as error:
+            why = f"{type(error).__name__}: {error}"
+            self.replica_health.failed(replica.replica_id, replica.url, why)
+            raise APIError(
+                f"Replica {replica.replica_id} failed before completing the response ({why}).",
+                502,
+                code="upstream_failed",
+            ) from None
         finally:
             await upstream.response.aclose()
             self.router.done(ticket)
         self.metrics.e2e.labels(body.model).observe(time.monotonic() - started)
         if upstream.response.status_code == 200:
+            self.replica_health.succeeded(replica.replica_id)
             self._count_cached(body.model, json.loads(content).get("usage"))
         return Response(
             content, status_code=upstream.response.status_code, headers=headers, media_type="application/json"
         )
 
-    async def _relay(self, relay: SSERelay, ticket: int, model: str, started: float) -> AsyncIterator[bytes]:
+    def _report_failures(self, tried: list[ReplicaInfo], failures: list[tuple[str, str]]) -> None:
+        by_url = {info.url: info for info in tried}
+        for url, why in failures:
+            if (info := by_url.get(url)) is not None:
+                self.replica_health.failed(info.replica_id, url, why)
+
+    async def _relay(
+        self, relay: SSERelay, ticket: int, model: str, started: float, replica: ReplicaInfo
+    ) -> AsyncIterator[bytes]:
         """The replica's events; however the stream ends (the client may leave), the upstream
-        request is closed, so the replica aborts it and frees its pages."""
+        request is closed, so the replica aborts it and frees its pages. If the replica breaks
+        off (killed, connection lost), the client gets an OpenAI error event and ``[DONE]``."""
+        broken: str | None = None
+        finished = False
         try:
             async with aclosing(aiter(relay)) as events:
-                async for event in events:
-                    yield event
+                try:
+                    async for event in events:
+                        finished = finished or event.startswith(b"data: [DONE]")
+                        yield event
+                except httpx.HTTPError as error:
+                    broken = f"{type(error).__name__}: {error}"
+            if broken is None and not finished:
+                broken = "the stream ended without [DONE]"
+            if broken is None:
+                self.replica_health.succeeded(replica.replica_id)
+            else:
+                self.replica_health.failed(replica.replica_id, replica.url, broken)
+                log.warning("stream from replica %s broke off: %s", replica.replica_id, broken)
+                error = APIError(
+                    f"Replica {replica.replica_id} failed mid-stream ({broken}); the response is incomplete.",
+                    502,
+                    code="upstream_failed",
+                )
+                yield b"data: " + json.dumps(error.to_dict()).encode() + b"\n\ndata: [DONE]\n\n"
         finally:
             self.router.done(ticket)
             if relay.first_event_at is not None:
@@ -195,7 +286,7 @@ class _GatewayAPI:
             self.metrics.cached_tokens.labels(model).inc(tokens)
 
     async def models(self, request: Request) -> Response:
-        names = sorted({r.model for r in self.mirror.replicas()})
+        names = sorted({r.model for r in self.router.known_replicas()})
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvroute"} for name in names]
         return JSONResponse({"object": "list", "data": data})
 
@@ -203,8 +294,9 @@ class _GatewayAPI:
         return JSONResponse(
             {
                 "status": "ok",
-                "redis": "stale" if self.mirror.stale else "ok",
-                "replicas": len(self.mirror.replicas()),
+                "redis": "none" if not self.router.use_index else "stale" if self.mirror.stale else "ok",
+                "replicas": len(self.router.known_replicas()),
+                "ejected": sorted(self.replica_health.ejected),
             }
         )
 
@@ -218,14 +310,30 @@ def build_app(settings: GatewaySettings) -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        await api.mirror.start()
+        if settings.redis_url is not None:
+            await api.mirror.start()
+        await api.replica_health.start()
         try:
             yield
         finally:
+            await api.replica_health.stop()
             await api.mirror.stop()
             await api.http.aclose()
 
-    return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    if settings.metrics_key_required and not (settings.api_keys or settings.admin_key):
+        raise ValueError("--metrics-key-required needs --api-key or --admin-key")
+    auth = Middleware(
+        GatewayAuth,
+        api_keys=settings.api_keys,
+        admin_key=settings.admin_key,
+        metrics_key_required=settings.metrics_key_required,
+    )
+    return Starlette(
+        routes=api.routes(),
+        middleware=[auth],
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+    )
 
 
 def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:

@@ -56,3 +56,9 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.ejections = Counter(
+            "kvroute_gateway_ejections",
+            "Replicas taken out of rotation after consecutive failures",
+            ["replica"],
+            registry=registry,
+        )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -39,6 +40,11 @@ def _add_replica_parser(sub: argparse._SubParsersAction) -> None:
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)"
     )
     p.add_argument("--seed", type=int, default=0, help="seeds requests that bring no seed")
+    p.add_argument(
+        "--api-key",
+        help="require Authorization: Bearer KEY on /v1, /tokenize, /detokenize, /kvroute/tokenizer and"
+        " /reset_prefix_cache: a key only gateways hold (default: env KVROUTE_REPLICA_KEY, else open)",
+    )
     p.add_argument("--log-level", default="info")
     r = p.add_argument_group("cache index (Redis)")
     r.add_argument(
@@ -92,6 +98,7 @@ def _run_replica(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         publisher_config=_publisher_config(args),
+        api_key=args.api_key or os.environ.get("KVROUTE_REPLICA_KEY") or None,
     )
 
 
@@ -137,7 +144,18 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--redis", required=True, help="redis://HOST:PORT/DB the replicas publish to")
+    p.add_argument("--redis", help="redis://HOST:PORT/DB the replicas publish to (optional with --replica)")
+    p.add_argument(
+        "--replica",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a replica known without Redis (repeatable): a fallback with --redis, the only source without",
+    )
+    p.add_argument("--eject-after", type=int, default=3, help="consecutive failures that eject a replica")
+    p.add_argument(
+        "--probe-interval", type=float, default=1.0, help="seconds between probes of ejected replicas"
+    )
     p.add_argument("--redis-prefix", default="kvroute", help="key prefix in Redis")
     p.add_argument(
         "--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random", "session"]
@@ -148,11 +166,33 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-body-bytes", type=int, default=8 * 1024 * 1024, help="request body limit (413 above)"
     )
+    a = p.add_argument_group("access keys")
+    a.add_argument(
+        "--api-key",
+        action="append",
+        metavar="KEY",
+        help="Bearer key clients must send on /v1 (repeatable; default: env KVROUTE_API_KEYS,"
+        " comma-separated; none: /v1 is open)",
+    )
+    a.add_argument(
+        "--admin-key",
+        metavar="KEY",
+        help="Bearer key for /admin (default: env KVROUTE_ADMIN_KEY; none: the admin API is off)",
+    )
+    a.add_argument("--metrics-key-required", action="store_true", help="/metrics needs a data or admin key")
+    a.add_argument(
+        "--replica-key",
+        metavar="KEY",
+        help="Bearer key sent to the replicas (their --api-key; default: env KVROUTE_REPLICA_KEY)",
+    )
     p.add_argument("--log-level", default="info")
 
 
 def _run_gateway(args: argparse.Namespace) -> None:
+    if args.redis is None and not args.replica:
+        sys.exit("kvroute gateway: give --redis URL, or --replica URL (repeatable), or both")
     from gateway.app import GatewaySettings, run_gateway
+    from gateway.auth import parse_keys
 
     settings = GatewaySettings(
         redis_url=args.redis,
@@ -162,6 +202,13 @@ def _run_gateway(args: argparse.Namespace) -> None:
         max_queue=args.max_queue,
         prediction_ttl_s=args.prediction_ttl,
         max_body_bytes=args.max_body_bytes,
+        replicas=tuple(args.replica),
+        eject_after=args.eject_after,
+        probe_interval_s=args.probe_interval,
+        api_keys=parse_keys(args.api_key, os.environ.get("KVROUTE_API_KEYS")),
+        admin_key=args.admin_key or os.environ.get("KVROUTE_ADMIN_KEY") or None,
+        metrics_key_required=args.metrics_key_required,
+        replica_key=args.replica_key or os.environ.get("KVROUTE_REPLICA_KEY") or None,
     )
     run_gateway(settings, args.host, args.port, args.log_level)
 

@@ -6,6 +6,7 @@ as a logged 500, never Starlette's plain-text or HTML pages, because clients par
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -15,9 +16,11 @@ from typing import Any
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvroute.errors import APIError, model_not_found
 from kvroute.http import Handler, http_error, openai_errors, read_body
@@ -160,16 +163,44 @@ class _ReplicaAPI:
         return Response(body, headers={"Content-Type": content_type})
 
 
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+
+class _SharedKeyAuth:
+    """Requires ``Authorization: Bearer <key>`` (the key only gateways hold) on every path but
+    /health and /metrics; 401 with an OpenAI error otherwise. Compared in constant time."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] not in _OPEN_PATHS:
+            presented = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(presented.strip(), self.expected):
+                error = APIError(
+                    "Missing or incorrect replica key.",
+                    401,
+                    type="authentication_error",
+                    code="invalid_api_key",
+                )
+                await error.to_response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(
     engine: AsyncEngine,
     *,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     publisher_config: PublisherConfig | None = None,
+    api_key: str | None = None,
 ) -> Starlette:
     """The replica app; its lifespan starts the engine thread and shuts it down on exit.
 
     With ``publisher_config`` (which needs an engine built with a ``KVEventOutbox``) the lifespan
     also publishes the cache to Redis: started after the engine, stopped (deregistered) before it.
+    With ``api_key`` every route but /health and /metrics requires it as a Bearer token.
     """
     publisher = None if publisher_config is None else _make_publisher(engine, publisher_config)
 
@@ -188,7 +219,13 @@ def build_app(
             await engine.shutdown()
 
     api = _ReplicaAPI(engine, max_body_bytes)
-    return Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    middleware = [] if not api_key else [Middleware(_SharedKeyAuth, key=api_key)]
+    return Starlette(
+        routes=api.routes(),
+        middleware=middleware,
+        lifespan=lifespan,
+        exception_handlers={HTTPException: http_error},
+    )
 
 
 def _make_publisher(engine: AsyncEngine, config: PublisherConfig) -> KVPublisher:
@@ -217,6 +254,7 @@ def run_server(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     log_level: str = "info",
     publisher_config: PublisherConfig | None = None,
+    api_key: str | None = None,
 ) -> None:
     """Load the model, then serve it until SIGINT/SIGTERM (in-flight requests get to finish).
 
@@ -227,7 +265,7 @@ def run_server(
     logging.getLogger().setLevel(log_level.upper())  # also when a caller configured logging first
     outbox = None if publisher_config is None else KVEventOutbox()
     engine = AsyncEngine.from_config(config, outbox)
-    app = build_app(engine, max_body_bytes=max_body_bytes, publisher_config=publisher_config)
+    app = build_app(engine, max_body_bytes=max_body_bytes, publisher_config=publisher_config, api_key=api_key)
     log.info("serving %s at %s/v1", engine.served_model_name, _url(host, port))
     if publisher_config is not None:
         log.info(

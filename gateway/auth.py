@@ -1,0 +1,123 @@
+"""Who may call the gateway: Bearer keys checked before any handler runs (pure ASGI middleware).
+
+* ``/v1/*``: when data keys are configured (``--api-key``, ``KVROUTE_API_KEYS``), a valid
+  ``Authorization: Bearer <key>`` is required; the admin key is accepted there too. Otherwise 401
+  with an OpenAI error (``authentication_error`` / ``invalid_api_key``), so the request never
+  reaches a replica.
+* ``/admin/*``: the admin key (``--admin-key``, ``KVROUTE_ADMIN_KEY``) only; a valid data key gets
+  403 (``permission_error``), a missing or wrong one 401. Without an admin key configured the
+  admin API is disabled: 403.
+* ``/metrics``: open unless ``metrics_key_required`` (then any data or admin key works).
+* everything else (``/health``, unknown paths): open.
+
+Every presented key is compared with every configured key in constant time
+(``hmac.compare_digest``), so timing tells nothing about which key or how much of it matched.
+The verdict is left in ``scope["kvroute.auth"]`` (``"admin"``, ``"data"`` or ``None``) for
+handlers such as the admin policy override.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvroute.errors import APIError
+
+AUTH_SCOPE_KEY = "kvroute.auth"
+ADMIN, DATA = "admin", "data"
+
+
+def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
+    """The token of an ``Authorization: Bearer <token>`` header (raw ASGI headers), else None."""
+    for name, value in headers:
+        if name == b"authorization":
+            scheme, _, token = value.strip().partition(b" ")
+            if scheme.lower() == b"bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
+
+
+def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
+    """True if ``token`` equals one of ``keys``; compares against all of them, in constant time."""
+    if token is None:
+        return False
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(token, key)
+    return found
+
+
+def parse_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[str, ...]:
+    """Keys from repeated flags, else from a comma-separated environment value; blanks dropped."""
+    keys = list(flags or []) or (env_value or "").split(",")
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(message, 401, type="authentication_error", code="invalid_api_key")
+
+
+class GatewayAuth:
+    """The gateway's key checks; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_keys: Iterable[str] = (),
+        admin_key: str | None = None,
+        metrics_key_required: bool = False,
+    ) -> None:
+        self.app = app
+        self.data_keys = tuple(k.encode() for k in api_keys)
+        self.admin_keys = (admin_key.encode(),) if admin_key else ()
+        self.metrics_key_required = metrics_key_required
+        if metrics_key_required and not (self.data_keys or self.admin_keys):
+            raise ValueError("--metrics-key-required needs --api-key or --admin-key")
+
+    def role(self, token: bytes | None) -> str | None:
+        # both checks always run: no early exit that would tell an admin key from a data key by time
+        is_admin = key_matches(token, self.admin_keys)
+        is_data = key_matches(token, self.data_keys)
+        return ADMIN if is_admin else DATA if is_data else None
+
+    def check(self, path: str, role: str | None, presented: bool) -> APIError | None:
+        """The refusal for a request to ``path`` by ``role``, or None to let it through."""
+        if path == "/v1" or path.startswith("/v1/"):
+            if self.data_keys and role is None:  # with only an admin key set, /v1 stays open
+                return _unauthorized(
+                    "Incorrect API key provided."
+                    if presented
+                    else "Missing API key: send Authorization: Bearer <key>."
+                )
+            return None
+        if path == "/admin" or path.startswith("/admin/"):
+            if not self.admin_keys:
+                return APIError("admin API disabled: set --admin-key", 403, code="admin_disabled")
+            if role == ADMIN:
+                return None
+            if role == DATA:
+                return APIError("This key may not use the admin API.", 403, code="insufficient_permissions")
+            return _unauthorized("Incorrect admin key provided." if presented else "Missing admin key.")
+        if path == "/metrics" and self.metrics_key_required and role is None:
+            return _unauthorized("Incorrect API key provided." if presented else "Missing API key.")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        token = bearer_token(scope["headers"])
+        role = self.role(token)
+        scope[AUTH_SCOPE_KEY] = role
+        refusal = self.check(scope["path"], role, token is not None)
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        response = refusal.to_response()
+        if refusal.status == 401:
+            response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
