@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loadtests.report import cpu_model, package_version, warn_if_busy
+from loadtests.report import cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
 
 if TYPE_CHECKING:
@@ -656,11 +656,7 @@ def main(argv: list[str] | None = None) -> int:
         "checks": all_checks,
     }
     report["table"] = preamble(s, report) + "\n\n" + markdown_table(s, report)
-    print(report["table"])
-    out = Path(s.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    progress(f"wrote {out}")
+    publish("bench_engine", report, s.out)
     return 0
 
 

@@ -51,7 +51,7 @@ from typing import Any
 import httpx
 
 from kvroute.local_redis import RedisServer, free_port
-from loadtests.report import cpu_model, package_version, warn_if_busy
+from loadtests.report import add_size_options, chosen_sizes, cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
 
 BENCH = "bench_gateway"
@@ -482,19 +482,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python -m loadtests.bench_gateway",
         description="Gateway overhead, direct vs through the gateway (needs redis-server).",
     )
-    for name, default in FULL.items():
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, help=f"default {default:,} (--quick: {QUICK[name]:,})"
-        )
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default="results/bench_gateway.json", help="JSON report path")
+    add_size_options(parser, FULL, QUICK, "results/bench_gateway.json")
     return parser.parse_args(argv)
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
-    sizes = {
-        k: v if (v := getattr(args, k)) is not None else (QUICK if args.quick else FULL)[k] for k in FULL
-    }
+    sizes = chosen_sizes(args, FULL, QUICK)
     if min(sizes.values()) < 1:
         raise SystemExit("every size must be positive")
     return Settings(out=args.out, **sizes)
@@ -532,11 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     outcome = {c["check"]: c["passed"] for c in report["checks"]}
     report["table"] = preamble(report) + "\n\n" + markdown_table(results, outcome, report["sglang_router"])
-    print(report["table"])
-    out = Path(s.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    progress(f"wrote {out}")
+    publish("bench_gateway", report, s.out)
     return 0
 
 

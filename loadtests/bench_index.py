@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import multiprocessing
 import os
 import platform
@@ -55,7 +54,7 @@ from gateway.index_mirror import IndexMirror
 from kvroute.blocks import DEFAULT_BLOCK_SIZE, PROTOCOL_VERSION
 from kvroute.local_redis import RedisServer
 from kvroute.redis_schema import EventKind, Keys, decode_event
-from loadtests.report import cpu_model, package_version, warn_if_busy
+from loadtests.report import add_size_options, chosen_sizes, cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
 from replica.kv_events import KVEventKind, KVEventOutbox
 from replica.kv_publisher import KVPublisher, PublisherConfig
@@ -625,19 +624,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         prog="python -m loadtests.bench_index",
         description="Benchmark the Redis cache index: publisher, mirror, lookups (needs redis-server).",
     )
-    for name, default in FULL.items():
-        parser.add_argument(
-            f"--{name.replace('_', '-')}", type=int, help=f"default {default:,} (--quick: {QUICK[name]:,})"
-        )
-    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
-    parser.add_argument("--out", default="results/bench_index.json", help="JSON report path")
+    add_size_options(parser, FULL, QUICK, "results/bench_index.json")
     return parser.parse_args(argv)
 
 
 def resolve_settings(args: argparse.Namespace) -> Settings:
-    sizes = {
-        k: v if (v := getattr(args, k)) is not None else (QUICK if args.quick else FULL)[k] for k in FULL
-    }
+    sizes = chosen_sizes(args, FULL, QUICK)
     s = Settings(out=args.out, **sizes)
     if s.replicas < FULL_MATCH_REPLICAS + PARTIAL_MATCH_REPLICAS:
         raise SystemExit(f"--replicas must be at least {FULL_MATCH_REPLICAS + PARTIAL_MATCH_REPLICAS}")
@@ -705,11 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     outcome = {c["check"]: c["passed"] for c in report["checks"]}
     report["table"] = preamble(report) + "\n\n" + markdown_table(s, results, outcome)
-    print(report["table"])
-    out = Path(s.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    progress(f"wrote {out}")
+    publish("bench_index", report, s.out)
     return 0
 
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import sys
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import Any
 
 BUSY_LOAD = 0.5  # 1-minute load average above which other processes would skew the numbers
 
@@ -39,3 +42,31 @@ def package_version(name: str) -> str:
         return version(name)
     except PackageNotFoundError:
         return "not installed"
+
+
+def add_size_options(
+    parser: argparse.ArgumentParser, full: dict[str, Any], quick: dict[str, Any], out: str
+) -> None:
+    """``--NAME`` for every size (default from ``full``, or ``quick`` with --quick), --quick, --out."""
+    for name, default in full.items():
+        kind = type(default)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", type=kind, help=f"default {default} (--quick: {quick[name]})"
+        )
+    parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke run")
+    parser.add_argument("--out", default=out, help="JSON report path")
+
+
+def chosen_sizes(args: argparse.Namespace, full: dict[str, Any], quick: dict[str, Any]) -> dict[str, Any]:
+    """Each size from its option, else from ``quick`` (with --quick) or ``full``."""
+    defaults = quick if args.quick else full
+    return {name: value if (value := getattr(args, name)) is not None else defaults[name] for name in full}
+
+
+def publish(bench: str, report: dict[str, Any], out: str) -> None:
+    """Prints the report's table (stdout) and writes the whole report as JSON."""
+    print(report["table"])
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    progress(bench, f"wrote {path}")

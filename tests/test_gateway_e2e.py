@@ -3,18 +3,15 @@ processes, driven by the official ``openai`` client with only ``base_url`` and `
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from openai import OpenAI
 
-from kvroute.local_redis import RedisServer
-from tests.replica_process import KvrouteProcess, ReplicaProcess
+from tests.replica_process import KvrouteProcess, ReplicaProcess, running_stack
 
 BLOCK = 16
 
@@ -29,40 +26,9 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("gateway-stack")
-    redis = RedisServer(workdir)
-    redis.start()
-    replicas: list[ReplicaProcess] = []
-    gateway = None
-    try:
-        for i in range(2):
-            replicas.append(
-                ReplicaProcess(
-                    llama_dir,
-                    workdir / f"replica{i}.log",
-                    "--dtype",
-                    "float32",
-                    "--kv-cache-tokens",
-                    "8192",
-                    "--redis",
-                    redis.url,
-                    "--heartbeat-interval",
-                    "0.2",
-                )
-            )
-        gateway = KvrouteProcess("gateway", workdir / "gateway.log", "--redis", redis.url)
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{gateway.url}/health", timeout=5).json()["replicas"] < 2:
-            assert time.monotonic() < deadline, "the gateway never saw both replicas"
-            time.sleep(0.1)
-        client = OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
-        yield Stack(llama_dir.name, gateway, replicas, client)
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-        for replica in replicas:
-            replica.terminate()
-        redis.stop()
+    with running_stack(llama_dir, tmp_path_factory.mktemp("gateway-stack"), 2) as processes:
+        client = OpenAI(base_url=f"{processes.gateway.url}/v1", api_key="unused", max_retries=0)
+        yield Stack(processes.model, processes.gateway, processes.replicas, client)
 
 
 def chat(

@@ -7,58 +7,15 @@ The tests share one stack and run in file order: the kill comes last.
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvroute.local_redis import RedisServer
-from tests.replica_process import KvrouteProcess, ReplicaProcess
-
-
-@dataclass
-class Stack:
-    model: str
-    redis: RedisServer
-    gateway: KvrouteProcess
-    replicas: list[ReplicaProcess]
-    workdir: Path
-
-    def replica(self, replica_id: str) -> ReplicaProcess:
-        return next(r for r in self.replicas if f"127.0.0.1:{r.port}" == replica_id)
-
-
-def _start_replicas(llama_dir: Path, workdir: Path, redis_url: str, count: int) -> list[ReplicaProcess]:
-    """Starts ``count`` replicas side by side (each waits for its own health)."""
-    started: list[ReplicaProcess | BaseException] = [None] * count  # type: ignore[list-item]
-
-    def start(i: int) -> None:
-        try:
-            started[i] = ReplicaProcess(
-                llama_dir,
-                workdir / f"replica{i}.log",
-                "--dtype", "float32", "--kv-cache-tokens", "8192", "--redis", redis_url,
-                "--heartbeat-interval", "0.2", "--heartbeat-ttl", "10",
-            )  # fmt: skip
-        except BaseException as error:  # pytest.fail raises an Exception subclass of BaseException
-            started[i] = error
-
-    threads = [threading.Thread(target=start, args=(i,)) for i in range(count)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    replicas = [r for r in started if isinstance(r, ReplicaProcess)]
-    failed = [r for r in started if not isinstance(r, ReplicaProcess)]
-    if failed:
-        for replica in replicas:
-            replica.kill()
-        raise failed[0]
-    return replicas
+from tests.replica_process import KvrouteProcess, running_stack
+from tests.replica_process import StackProcesses as Stack
 
 
 def _health(url: str) -> dict:
@@ -75,30 +32,9 @@ def _wait_for(what: str, check, timeout: float = 20) -> None:
 @pytest.fixture(scope="module")
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("gateway-resilience")
-    redis = RedisServer(workdir)
-    redis.start()
-    replicas: list[ReplicaProcess] = []
-    gateway = None
-    try:
-        replicas = _start_replicas(llama_dir, workdir, redis.url, 2)
-        gateway = KvrouteProcess(
-            "gateway",
-            workdir / "gateway.log",
-            "--redis",
-            redis.url,
-            "--eject-after",
-            "2",
-            "--probe-interval",
-            "0.5",
-        )
-        _wait_for("both replicas in the gateway", lambda: _health(gateway.url)["replicas"] == 2)
-        yield Stack(llama_dir.name, redis, gateway, replicas, workdir)
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-        for replica in replicas:
-            replica.kill()
-        redis.stop()
+    gateway_args = ("--eject-after", "2", "--probe-interval", "0.5")
+    with running_stack(llama_dir, workdir, 2, ("--heartbeat-ttl", "10"), *gateway_args) as processes:
+        yield processes
 
 
 def _chat(url: str, model: str, content: str, **fields: object) -> httpx.Response:
