@@ -165,12 +165,14 @@ def _snippets(base_url: str, model: str) -> str:
 kvroute is up: OpenAI base URL {base_url} (model "{model}")
 
   curl -s {base_url}/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "messages": [{{"role": "user", "content": "Hello!"}}]}}'
+    -d '{{"model": "{model}", "max_tokens": 64,
+         "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
   from openai import OpenAI
   client = OpenAI(base_url="{base_url}", api_key="unused")
-  print(client.chat.completions.create(model="{model}",
-        messages=[{{"role": "user", "content": "Hello!"}}]).choices[0].message.content)
+  reply = client.chat.completions.create(model="{model}", max_tokens=64,
+      messages=[{{"role": "user", "content": "What is the capital of France?"}}])
+  print(reply.choices[0].message.content)
 
 Ctrl-C stops everything.
 """
