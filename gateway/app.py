@@ -161,6 +161,9 @@ class _GatewayAPI:
         fingerprint, replicas = self.router.replicas_by_fingerprint(body.model)
         if fingerprint is None:
             raise model_not_found(body.model)
+        for info in replicas:
+            if info.fingerprint != fingerprint:
+                self.metrics.fingerprint_mismatches.labels(body.model, info.replica_id).inc()
         urls = [r.url for r in replicas if r.fingerprint == fingerprint]
         try:
             tokenizer = await self.tokenizers.get(body.model, fingerprint, urls)
@@ -190,20 +193,26 @@ class _GatewayAPI:
                 "Every replica of this model has a full queue; retry later.", 429, code="rate_limit_exceeded"
             )
         payload, client_wants_usage = with_usage_requested(json.loads(raw))
+        # Count the request on the winner before awaiting anything: decisions taken meanwhile (a
+        # burst of requests with one new prefix) must see its load and its predicted blocks.
+        replica = route.ordered[0]
+        ticket = self._commit(route, replica, len(prompt_ids))
         try:
             upstream = await open_upstream(
                 self.http, [r.url for r in route.ordered], path, json.dumps(payload).encode(), _JSON
             )
         except UpstreamUnavailable as error:
+            self.router.done(ticket)
             self._report_failures(route.ordered, error.failures)
             raise APIError(
                 f"No replica could take the request: {error}", 503, code="service_unavailable"
             ) from None
         self._report_failures(route.ordered, upstream.failures)
-        replica = next(r for r in route.ordered if r.url == upstream.url)
+        if upstream.url != replica.url:  # retried elsewhere: move the count and the prediction
+            self.router.done(ticket)
+            replica = next(r for r in route.ordered if r.url == upstream.url)
+            ticket = self._commit(route, replica, len(prompt_ids))
         predicted = route.predicted_tokens.get(replica.replica_id, 0)
-        self.mirror.predict(replica.replica_id, route.hashes, self.settings.prediction_ttl_s)
-        ticket = self.router.sent(replica.replica_id, len(prompt_ids) - predicted)
         labels = (body.model, replica.replica_id, route.decision.policy, str(upstream.response.status_code))
         self.metrics.requests.labels(*labels).inc()
         self.metrics.retries.labels(body.model).inc(len(upstream.failures))
@@ -237,6 +246,12 @@ class _GatewayAPI:
         return Response(
             content, status_code=upstream.response.status_code, headers=headers, media_type="application/json"
         )
+
+    def _commit(self, route: RoutePlan, replica: ReplicaInfo, prompt_tokens: int) -> int:
+        """Marks the prompt's blocks as predicted on ``replica`` and counts it in flight there."""
+        self.mirror.predict(replica.replica_id, route.hashes, self.settings.prediction_ttl_s)
+        predicted = route.predicted_tokens.get(replica.replica_id, 0)
+        return self.router.sent(replica.replica_id, prompt_tokens - predicted)
 
     def _report_failures(self, tried: list[ReplicaInfo], failures: list[tuple[str, str]]) -> None:
         by_url = {info.url: info for info in tried}

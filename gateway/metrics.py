@@ -50,6 +50,12 @@ class GatewayMetrics:
             ["model"],
             registry=registry,
         )
+        self.fingerprint_mismatches = Counter(
+            "kvroute_gateway_fingerprint_mismatches",
+            "Routing decisions that scored a replica without cache credit: its tokenizer differs",
+            ["model", "replica"],
+            registry=registry,
+        )
         self.retries = Counter(
             "kvroute_gateway_retries",
             "Requests re-sent to another replica before any byte reached the client",

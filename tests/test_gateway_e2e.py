@@ -4,6 +4,7 @@ processes, driven by the official ``openai`` client with only ``base_url`` and `
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,8 +36,9 @@ def chat(
     stack: Stack, messages: list[dict[str, str]], **fields: object
 ) -> tuple[str, openai.types.chat.ChatCompletion]:
     """One non-streaming chat; returns the replica that served it and the completion."""
+    settings = {"max_tokens": 6, "temperature": 0, **fields}
     raw = stack.client.chat.completions.with_raw_response.create(
-        model=stack.model, messages=messages, max_tokens=6, temperature=0, **fields
+        model=stack.model, messages=messages, **settings
     )
     return raw.headers["x-kvroute-replica"], raw.parse()
 
@@ -95,3 +97,28 @@ def test_errors_reach_the_sdk_as_its_exception_classes(stack: Stack) -> None:
         stack.client.chat.completions.create(
             model=stack.model, messages=[{"role": "user", "content": "x"}], temperature=-1
         )
+
+
+def test_concurrent_new_conversations_spread_and_then_stick(stack: Stack) -> None:
+    """Two conversations with different system prompts, sent at once: the first decision counts
+    its request (load and predicted blocks) before awaiting anything, so the second goes to the
+    other replica; each one's next turn then returns to where its prefix is cached."""
+    conversations = [
+        [{"role": "system", "content": f"Persona {name}: " + "you talk about caches. " * 10}]
+        for name in ("alpha", "beta")
+    ]
+    for messages in conversations:
+        messages.append({"role": "user", "content": "First question?"})
+    with ThreadPoolExecutor(2) as pool:
+        first = list(
+            pool.map(lambda m: chat(stack, m, max_tokens=32, extra_body={"ignore_eos": True}), conversations)
+        )
+    assert first[0][0] != first[1][0], "equal load: the two new conversations must not pile up"
+    for (replica, reply), messages in zip(first, conversations, strict=True):
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content or ""},
+            {"role": "user", "content": "Second question?"},
+        ]
+        again, second = chat(stack, messages)
+        assert again == replica
+        assert second.usage is not None and second.usage.prompt_tokens_details.cached_tokens > 0
