@@ -49,6 +49,12 @@ class KvrouteProcess:
             time.sleep(0.1)
         pytest.fail(f"process not healthy after {timeout} s:\n{self.log_path.read_text()}")
 
+    def __enter__(self) -> KvrouteProcess:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.terminate()
+
     def terminate(self, timeout: float = 30) -> int:
         """SIGTERM (graceful: drains, deregisters), then SIGKILL if it hangs; returns the exit code."""
         if self.process.poll() is None:

@@ -25,18 +25,15 @@ JSON = {"content-type": "application/json"}
 
 @pytest.fixture(scope="module")
 def replica(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ReplicaProcess]:
-    process = ReplicaProcess(
+    with ReplicaProcess(
         llama_dir,
         tmp_path_factory.mktemp("proxy") / "replica.log",
         "--dtype",
         "float32",
         "--kv-cache-tokens",
         "4096",
-    )
-    try:
+    ) as process:
         yield process
-    finally:
-        process.terminate()
 
 
 def body(llama_dir: Path, **fields: object) -> dict[str, object]:

@@ -48,16 +48,13 @@ TOOLS = [
 
 @pytest.fixture(scope="module")
 def replica_url(qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    replica = ReplicaProcess(
+    with ReplicaProcess(
         qwen3_dir,
         tmp_path_factory.mktemp("replica") / "server.log",
         "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-tokens", "8192",
         "--max-model-len", "8192", "--block-size", str(BLOCK_SIZE),
-    )  # fmt: skip
-    try:
+    ) as replica:  # fmt: skip
         yield replica.url
-    finally:
-        replica.terminate()
 
 
 @pytest.fixture(scope="module")

@@ -36,16 +36,13 @@ LONG = {"ignore_eos": True}  # a random model may emit EOS at any step; these te
 
 @pytest.fixture(scope="module")
 def base_url(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    replica = ReplicaProcess(
+    with ReplicaProcess(
         llama_dir,
         tmp_path_factory.mktemp("replica") / "server.log",
         "--served-model-name", MODEL, "--dtype", "float32", "--kv-cache-tokens", "8192",
         "--max-model-len", str(MAX_MODEL_LEN), "--max-body-bytes", str(MAX_BODY_BYTES),
-    )  # fmt: skip
-    try:
+    ) as replica:  # fmt: skip
         yield replica.url
-    finally:
-        replica.terminate()
 
 
 @pytest.fixture(scope="module")
