@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import openai
 import pytest
 from openai import OpenAI
 
@@ -39,12 +40,16 @@ def alive(pid: int) -> bool:
     return stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"
 
 
+KEY = "stack-key"  # keys reach every child through the environment
+
+
 def up(llama_dir: Path, port: int) -> subprocess.Popen[str]:
     command = [
         sys.executable, "-m", "kvroute.cli", "up", "--model", str(llama_dir), "--port", str(port),
         "--replicas", "2", "--dtype", "float32", "--kv-cache-memory-gb", "0.02",
     ]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {**os.environ, "KVROUTE_API_KEYS": KEY, "KVROUTE_REPLICA_KEY": "replica-key"}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def test_up_serves_and_stops_cleanly(llama_dir: Path) -> None:
@@ -58,10 +63,15 @@ def test_up_serves_and_stops_cleanly(llama_dir: Path) -> None:
             assert time.monotonic() < deadline and stack.poll() is None, "".join(lines)
             lines.append(stack.stdout.readline())
         base_url = re.search(r"OpenAI base URL (\S+)", "".join(lines)).group(1)  # type: ignore[union-attr]
-        reply = OpenAI(base_url=base_url, api_key="unused", max_retries=0).chat.completions.create(
-            model=llama_dir.name, messages=[{"role": "user", "content": "Hello!"}], max_tokens=4
+        messages = [{"role": "user", "content": "Hello!"}]
+        reply = OpenAI(base_url=base_url, api_key=KEY, max_retries=0).chat.completions.create(
+            model=llama_dir.name, messages=messages, max_tokens=4
         )
         assert reply.choices[0].message.content is not None
+        with pytest.raises(openai.AuthenticationError):
+            OpenAI(base_url=base_url, api_key="wrong", max_retries=0).chat.completions.create(
+                model=llama_dir.name, messages=messages, max_tokens=4
+            )
         children = children_of(stack.pid)
         assert len(children) >= 4, "redis-server, two replicas and the gateway"
 
