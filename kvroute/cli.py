@@ -158,6 +158,9 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--redis-prefix", default="kvroute", help="key prefix in Redis")
     p.add_argument(
+        "--poll-interval", type=float, default=0.5, help="seconds between reads of the replicas' heartbeats"
+    )
+    p.add_argument(
         "--policy", default="kv", choices=["kv", "round-robin", "least-loaded", "random", "session"]
     )
     p.add_argument("--lam", type=float, default=1.0, help="kv policy: weight of load against uncached tokens")
@@ -205,6 +208,7 @@ def _run_gateway(args: argparse.Namespace) -> None:
         replicas=tuple(args.replica),
         eject_after=args.eject_after,
         probe_interval_s=args.probe_interval,
+        poll_interval_s=args.poll_interval,
         api_keys=parse_keys(args.api_key, os.environ.get("KVROUTE_API_KEYS")),
         admin_key=args.admin_key or os.environ.get("KVROUTE_ADMIN_KEY") or None,
         metrics_key_required=args.metrics_key_required,
