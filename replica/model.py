@@ -62,7 +62,6 @@ class DecoderLM:
         self.lm_head = lm_head
         self.rotary = rotary
         self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
 
     @property
     def dtype(self) -> torch.dtype:

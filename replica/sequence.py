@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from enum import Enum
 
 import torch
@@ -11,8 +10,6 @@ from replica.outputs import TokenLogprob
 from replica.radix_cache import RadixNode
 from replica.sampling_params import SamplingParams
 from replica.stop_text import StopTextTracker
-
-_arrival = itertools.count()
 
 
 class SequenceStatus(Enum):
@@ -41,7 +38,6 @@ class Sequence:
         self.params = params
         self.generator = generator
         self.text = text
-        self.arrival = next(_arrival)
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.finish_reported = False
