@@ -33,8 +33,8 @@ from tests.replica_process import ReplicaProcess
 from tests.test_engine_logits import random_prompt
 
 KEYS = Keys()
-REPLICA = "10.0.0.7:8001"
-URL = "http://10.0.0.7:8001"
+REPLICA = "127.0.0.1:8001"
+URL = "http://127.0.0.1:8001"
 MODEL = "tiny-model"
 IDLE = EngineStats(
     num_running=0,
@@ -491,7 +491,7 @@ def test_default_identity() -> None:
     assert default_advertise_url("127.0.0.1", 8001) == "http://127.0.0.1:8001"
     assert default_advertise_url("::1", 8001) == "http://[::1]:8001"
     assert "0.0.0.0" not in default_advertise_url("0.0.0.0", 8001)
-    assert default_replica_id("http://10.0.0.7:8001") == "10.0.0.7:8001"
+    assert default_replica_id("http://127.0.0.1:8001") == "127.0.0.1:8001"
     assert default_replica_id("https://replica-3.example.com/") == "replica-3.example.com:443"
     assert default_replica_id("http://[::1]:8001") == "::1:8001"
     with pytest.raises(ValueError, match="heartbeat_ttl"):
