@@ -10,6 +10,7 @@ looking URL would only hide the failure.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -43,6 +44,8 @@ class StackSettings:
     redis_url: str | None = None  # None: a private redis-server on a free loopback port
     policy: str = "kv"
     replica_args: list[str] = field(default_factory=list)  # extra `kvroute replica` flags
+    gateway_args: list[str] = field(default_factory=list)  # extra `kvroute gateway` flags
+    log_dir: Path | None = None  # each component's output to NAME.log there instead of stdout
 
 
 @dataclass
@@ -64,6 +67,10 @@ class LocalStack:
     def base_url(self) -> str:
         return f"http://{self.settings.host}:{self.settings.port}/v1"
 
+    @property
+    def replica_urls(self) -> list[str]:
+        return [child.url for child in self.children if child.name.startswith("replica-") and child.url]
+
     def start(self, model: Path) -> None:
         _require_free_port(self.settings.host, self.settings.port)
         redis_url = self.settings.redis_url or self._start_redis()
@@ -81,7 +88,7 @@ class LocalStack:
         self._spawn(
             "gateway",
             ["gateway", "--host", self.settings.host, "--port", str(self.settings.port), "--redis", redis_url,
-             "--policy", self.settings.policy],
+             "--policy", self.settings.policy, *self.settings.gateway_args],
             f"http://{self.settings.host}:{self.settings.port}",
         )  # fmt: skip
         wanted = self.settings.replicas
@@ -97,14 +104,17 @@ class LocalStack:
         return self.redis.url
 
     def _spawn(self, name: str, args: list[str], url: str) -> None:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # our signals reach children only through stop()
-        )
+        log_dir = self.settings.log_dir
+        with open(log_dir / f"{name}.log", "wb") if log_dir else contextlib.nullcontext() as log:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "kvroute.cli", *args],
+                stdout=log or subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # our signals reach children only through stop()
+            )
         self.children.append(_Child(name, process, url))
-        threading.Thread(target=_prefix_output, args=(name, process), daemon=True).start()
+        if log_dir is None:
+            threading.Thread(target=_prefix_output, args=(name, process), daemon=True).start()
 
     def _wait_healthy(self, child: _Child, ready: Callable[[httpx.Response], bool]) -> None:
         deadline = time.monotonic() + READY_TIMEOUT_S
@@ -122,7 +132,8 @@ class LocalStack:
         for child in self.children:
             code = child.process.poll()
             if code is not None:
-                raise StackError(f"{child.name} exited with code {code}")
+                where = f" (log: {self.settings.log_dir / child.name}.log)" if self.settings.log_dir else ""
+                raise StackError(f"{child.name} exited with code {code}{where}")
 
     def stop(self) -> None:
         """Gateway first (no new work), then replicas (they deregister), then Redis."""
