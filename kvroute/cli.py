@@ -12,14 +12,33 @@ from typing import TYPE_CHECKING
 
 from kvroute.blocks import DEFAULT_BLOCK_SIZE
 from kvroute.redis_schema import DEFAULT_PREFIX
+from loadtests.bench_cli import add_bench_commands
 
 if TYPE_CHECKING:
     from replica.kv_publisher import PublisherConfig
 
 
 def _add_replica_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replica", help="serve one model with the torch engine (OpenAI-compatible)")
+    p = sub.add_parser(
+        "replica",
+        help="serve one model with the torch engine (OpenAI-compatible), or simulate it (--engine sim)",
+    )
     p.add_argument("--model", type=Path, help="HF model directory (default: prepared SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--engine",
+        choices=["torch", "sim"],
+        default="torch",
+        help="torch: run the model; sim: a SIMULATION with the real scheduler, cache, Redis reporting and"
+        " server but a cost model instead of the forward pass: it loads no weights (--model gives the"
+        " tokenizer and config only), sleeps each step's predicted time and emits filler text"
+        " (docs/SIMULATION.md)",
+    )
+    p.add_argument(
+        "--profile",
+        metavar="NAME_OR_PATH",
+        help="--engine sim only: the cost profile, a built-in name (cpu-smollm2, h100-llama3-8b,"
+        " a100-llama3-8b, instant) or a JSON file from `kvroute calibrate` (default: cpu-smollm2)",
+    )
     p.add_argument("--served-model-name", help="model name clients ask for (default: the directory name)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
@@ -72,6 +91,8 @@ def _run_replica(args: argparse.Namespace) -> None:
     from replica.engine_config import EngineConfig
     from replica.server import run_server
 
+    if args.profile is not None and args.engine != "sim":
+        raise ValueError("--profile needs --engine sim")
     model = args.model
     if model is None:
         from replica.prepare_model import prepare_default_model
@@ -90,6 +111,8 @@ def _run_replica(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=args.seed,
+        engine=args.engine,
+        sim_profile=args.profile or EngineConfig.sim_profile,
     )
     run_server(
         config,
@@ -129,6 +152,37 @@ def _run_make_test_model(args: argparse.Namespace) -> None:
     from replica.test_models import make_test_model
 
     print(make_test_model(args.arch, args.out, seed=args.seed, num_shards=args.shards))
+
+
+def _add_calibrate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate",
+        help="measure the torch engine on this machine and write a cost profile for --engine sim",
+    )
+    p.add_argument("--model", type=Path, help="HF model directory (default: prepared SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--name", help="the profile's name (default: cpu-<model directory name>)")
+    p.add_argument("--quick", action="store_true", help="a few small configurations (seconds; for tests)")
+    p.add_argument("--out", type=Path, required=True, help="profile JSON to write")
+
+
+def _run_calibrate(args: argparse.Namespace) -> None:
+    import json
+
+    from replica.sim_calibrate import calibrate
+
+    model = args.model
+    if model is None:
+        from replica.prepare_model import prepare_default_model
+
+        model = prepare_default_model()
+    profile, report = calibrate(
+        model, dtype=args.dtype, threads=args.threads, name=args.name, quick=args.quick
+    )
+    print(report)
+    args.out.write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    print(f"wrote {args.out}: use it with kvroute replica --engine sim --profile {args.out}")
 
 
 def _run_memory(args: argparse.Namespace) -> None:
@@ -231,6 +285,13 @@ def _add_up_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory-gb", type=float, default=1.0, help="KV pool budget per replica, GiB")
+    p.add_argument(
+        "--engine",
+        choices=["torch", "sim"],
+        default="torch",
+        help="replica backend; sim is a SIMULATION (cost model, filler text; docs/SIMULATION.md)",
+    )
+    p.add_argument("--profile", metavar="NAME_OR_PATH", help="--engine sim: the cost profile")
 
 
 def _run_up(args: argparse.Namespace) -> None:
@@ -239,6 +300,7 @@ def _run_up(args: argparse.Namespace) -> None:
     if args.replicas < 1:
         raise ValueError("--replicas must be at least 1")
     replica_args = ["--dtype", args.dtype, "--kv-cache-memory-gb", str(args.kv_cache_memory_gb)]
+    replica_args += ["--engine", args.engine] + (["--profile", args.profile] if args.profile else [])
     settings = StackSettings(
         args.replicas, args.model, args.host, args.port, args.redis, args.policy, replica_args
     )
@@ -251,6 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(sub)
     _add_replica_parser(sub)
     _add_gateway_parser(sub)
+    _add_calibrate_parser(sub)
     p = sub.add_parser(
         "prepare-model", help="convert the bundled SmolLM2-135M-Instruct GGUF to an HF directory"
     )
@@ -260,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
+    p = sub.add_parser("bench", help="serving benchmark and policy comparison (load tests)")
+    add_bench_commands(p)
     p = sub.add_parser("memory", help="weights and KV-cache memory for a model config")
     p.add_argument("model", type=Path, help="model directory or config.json")
     p.add_argument("--context", type=int, default=131072, help="tokens of context to size KV for")
@@ -274,6 +339,8 @@ _HANDLERS = {
     "prepare-model": _run_prepare_model,
     "make-test-model": _run_make_test_model,
     "memory": _run_memory,
+    "calibrate": _run_calibrate,
+    "bench": lambda args: args.bench_handler(args),
 }
 
 

@@ -1,8 +1,8 @@
 """Runs the engine on its own thread and bridges its outputs to asyncio.
 
-Forward passes release the GIL, so the HTTP event loop keeps serving while the engine computes.
-Requests and aborts reach the engine thread through a queue; outputs come back with one
-``call_soon_threadsafe`` per step.
+Forward passes (and the simulation's sleeps) release the GIL, so the HTTP event loop keeps serving
+while the engine computes. Requests and aborts reach the engine thread through a queue; outputs
+come back with one ``call_soon_threadsafe`` per step.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 from typing import Any
-
-import torch
 
 from kvroute.tokenizer import TextTokenizer
 from replica.engine import EngineStats, LLMEngine
@@ -120,22 +118,21 @@ class AsyncEngine:
     # -- engine thread --------------------------------------------------------------------------
 
     def _run(self) -> None:
-        with torch.inference_mode():
-            while not self._stopping:
-                self._drain_inbox()
-                self._stats = self.engine.stats()
-                if not self.engine.has_unfinished():
-                    self._wakeup.wait()
-                    self._wakeup.clear()
-                    continue
-                try:
-                    outputs = self.engine.step()
-                except Exception as error:  # a bug must not kill the replica: fail what was running
-                    log.exception("engine step failed; aborting the requests in flight")
-                    self._fail_all(error)
-                    continue
-                if outputs:
-                    self._post(outputs)
+        while not self._stopping:
+            self._drain_inbox()
+            self._stats = self.engine.stats()
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a bug must not kill the replica: fail what was running
+                log.exception("engine step failed; aborting the requests in flight")
+                self._fail_all(error)
+                continue
+            if outputs:
+                self._post(outputs)
 
     def _drain_inbox(self) -> None:
         while True:

@@ -1,7 +1,9 @@
 """The synchronous engine: requests in, one batched step at a time, outputs out.
 
-It owns the model, the KV pool, the radix cache and the scheduler, and is driven by a single
-thread (``AsyncEngine`` runs it beside the HTTP event loop).
+It owns the runner (the model, or the simulation's cost model, with the KV pool), the radix
+cache and the scheduler, and is driven by a single thread (``AsyncEngine`` runs it beside the
+HTTP event loop). torch is imported only by the torch runner, so a simulated replica never
+loads it.
 """
 
 from __future__ import annotations
@@ -11,30 +13,27 @@ import logging
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvroute.blocks import model_seed
 from kvroute.tokenizer import TextTokenizer
 from replica.engine_config import EngineConfig
 from replica.kv_events import KVEventOutbox
 from replica.kv_manager import KVManager
-from replica.kv_pool import KVPool, pages_for_budget
-from replica.model import DecoderLM
+from replica.kv_pool import PagePool
 from replica.model_config import ModelConfig
-from replica.model_runner import ModelRunner
-from replica.outputs import ChoiceDelta, RequestOutput
+from replica.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from replica.radix_cache import RadixCache
-from replica.sampler import sample
 from replica.sampling_params import SamplingParams
-from replica.scheduler import Scheduler
+from replica.scheduler import ScheduledBatch, Scheduler
 from replica.sequence import Sequence, SequenceStatus
 from replica.stop_text import StopTextTracker
 
+if TYPE_CHECKING:
+    import torch
+
 log = logging.getLogger("kvroute.replica")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 
@@ -61,17 +60,35 @@ class _Request:
     prompt_tokens: int
 
 
-def resolve_dtype(name: str, config: ModelConfig, device: str) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on CUDA; on CPU bf16 where the CPU computes it natively
-    (AVX512-BF16/AMX: several times faster prefill, half the memory traffic), else fp32."""
-    if name == "auto":
-        if device.startswith("cuda"):
-            name = config.torch_dtype if config.torch_dtype in _DTYPES else "bfloat16"
-        else:
-            name = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
+class StepModel(Protocol):
+    """What a runner computes with: the network (``DecoderLM``) or the simulation's cost model."""
+
+    def weight_bytes(self) -> int: ...
+
+
+class Runner(Protocol):
+    """The engine's one backend-specific part: ``model_runner.ModelRunner`` runs the torch model,
+    ``sim.SimRunner`` sleeps for a cost model's step time instead."""
+
+    @property
+    def model(self) -> StepModel: ...
+
+    @property
+    def pool(self) -> PagePool: ...
+
+    @property
+    def description(self) -> str:
+        """For the startup log: dtype, device and weights, or that this is a simulation."""
+        ...
+
+    def generator(self, seed: int) -> torch.Generator | None:
+        """The random stream of one sampling (not greedy) sequence."""
+        ...
+
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Computes the batch (advancing ``num_computed``) and picks the next token of every
+        sequence whose tokens are now all computed."""
+        ...
 
 
 def read_generation_config(model_dir: Path) -> dict[str, Any]:
@@ -82,11 +99,8 @@ def read_generation_config(model_dir: Path) -> dict[str, Any]:
 class LLMEngine:
     def __init__(self, config: EngineConfig, outbox: KVEventOutbox | None = None) -> None:
         model_dir = Path(config.model)
-        if config.threads:
-            torch.set_num_threads(config.threads)
         self.config = config
         self.model_config = ModelConfig.from_dir(model_dir)
-        self.dtype = resolve_dtype(config.dtype, self.model_config, config.device)
         self.tokenizer = TextTokenizer.from_dir(model_dir)
         self.served_model_name = config.resolved_model_name()
         generation = read_generation_config(model_dir)
@@ -94,13 +108,13 @@ class LLMEngine:
             k: generation[k] for k in ("temperature", "top_p", "top_k") if k in generation
         }
         self.eos_token_ids = _eos_ids(generation, self.tokenizer)
-        self.model = DecoderLM.load(model_dir, self.model_config, self.dtype, config.device)
-        self.pool = self._make_pool()
+        self.runner = self._load_runner()
+        self.model = self.runner.model
+        self.pool = self.runner.pool
         self.block_seed = model_seed(self.served_model_name, self.tokenizer.fingerprint)
         self.cache = RadixCache(self.pool, self.block_seed, outbox)
         self.kv = KVManager(self.pool, self.cache)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(self.model, self.pool, config.device)
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
@@ -109,29 +123,26 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._rng = random.Random(config.seed)
         log.info(
-            "model %s (%s, %s, %s): weights %.1f MB; KV pool %d pages x %d tokens = %d tokens; "
-            "context window %d",
+            "model %s (%s, %s); KV pool %d pages x %d tokens = %d tokens; context window %d",
             self.served_model_name,
             self.model_config.architecture,
-            str(self.dtype).removeprefix("torch."),
-            config.device,
-            self.model.weight_bytes() / 1e6,
+            self.runner.description,
             self.pool.num_pages,
             self.pool.page_size,
             self.pool.capacity_tokens,
             self.max_model_len,
         )
 
-    def _make_pool(self) -> KVPool:
-        cfg, size = self.model_config, self.config.block_size
-        if self.config.kv_cache_tokens:
-            pages = max(1, -(-self.config.kv_cache_tokens // size))
-        else:
-            budget = int(self.config.kv_cache_memory_gb * 1024**3)
-            pages = pages_for_budget(budget, size, cfg.kv_bytes_per_token(self.dtype.itemsize))
-        return KVPool(
-            cfg.num_layers, pages, size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.config.device
-        )
+    def _load_runner(self) -> Runner:
+        """The torch model, or with ``engine="sim"`` the cost-model simulation (which loads no
+        weights and never imports torch)."""
+        if self.config.engine == "sim":
+            from replica.sim import SimRunner
+
+            return SimRunner.load(self.config, self.model_config, self.tokenizer, self.eos_token_ids)
+        from replica.model_runner import ModelRunner
+
+        return ModelRunner.load(self.config, self.model_config)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -160,8 +171,7 @@ class LLMEngine:
         generator = None
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator(device=self.config.device)
-            generator.manual_seed((seed + index * _SEED_MIX) % 2**63)
+            generator = self.runner.generator((seed + index * _SEED_MIX) % 2**63)
         stream = self.tokenizer.decode_stream(skip_special_tokens=params.skip_special_tokens)
         text = StopTextTracker(stream, params.stop)
         return Sequence(request_id, index, prompt, params, generator, text, self.cache.root)
@@ -189,11 +199,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        seqs, logits = self.runner.run(batch)
+        sampled = self.runner.execute(batch)
         for seq in self.scheduler.running:
             self.kv.commit(seq)
         touched: dict[str, _Request] = {}
-        for seq, (token, logprob) in zip(seqs, sample(logits, seqs) if seqs else [], strict=True):
+        for seq, token, logprob in sampled:
             self._append_token(seq, token, logprob)
             touched[seq.request_id] = self._requests[seq.request_id]
         outputs = [self._output(request) for request in touched.values()]

@@ -24,8 +24,12 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
     max_model_len: int | None = None  # context window; defaults to the model's max_position_embeddings
     seed: int = 0  # seeds requests that bring no seed of their own
+    engine: str = "torch"  # torch | sim: a simulation, a cost model instead of the forward pass (replica.sim)
+    sim_profile: str = "cpu-smollm2"  # sim only: a built-in profile name or a profile JSON file
 
     def __post_init__(self) -> None:
+        if self.engine not in ("torch", "sim"):
+            raise ValueError(f"unknown engine {self.engine!r}; choose torch or sim")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size and max_num_seqs must be positive")
         if self.max_num_batched_tokens < self.max_num_seqs:

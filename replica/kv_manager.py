@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from replica.kv_pool import KVPool
+from replica.kv_pool import PagePool
 from replica.radix_cache import RadixCache
 from replica.sequence import Sequence
 
 
 class KVManager:
-    def __init__(self, pool: KVPool, cache: RadixCache) -> None:
+    def __init__(self, pool: PagePool, cache: RadixCache) -> None:
         self.pool = pool
         self.cache = cache
         self.page_size = pool.page_size

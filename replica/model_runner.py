@@ -1,14 +1,36 @@
-"""Turns a scheduled batch into tensors, runs the model, and returns the logits to sample from."""
+"""The torch engine's runner: loads the model and its KV pool, turns a scheduled batch into
+tensors, runs the model and samples the next tokens (the engine's only torch-dependent part)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch
 
 from replica.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask
-from replica.kv_pool import KVPool
+from replica.engine_config import EngineConfig
+from replica.kv_pool import KVPool, pool_pages
 from replica.model import DecoderLM
+from replica.model_config import ModelConfig
+from replica.outputs import TokenLogprob
+from replica.sampler import sample
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: str) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA; on CPU bf16 where the CPU computes it natively
+    (AVX512-BF16/AMX: several times faster prefill, half the memory traffic), else fp32."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            name = config.torch_dtype if config.torch_dtype in _DTYPES else "bfloat16"
+        else:
+            name = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
 
 
 class ModelRunner:
@@ -19,11 +41,49 @@ class ModelRunner:
         self.page_size = pool.page_size
         self._page_offsets = torch.arange(pool.page_size, device=device)
 
+    @classmethod
+    def load(cls, config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
+        """Loads the weights and allocates the KV pool (``kv_cache_tokens`` or the memory budget)."""
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        dtype = resolve_dtype(config.dtype, model_config, config.device)
+        model = DecoderLM.load(Path(config.model), model_config, dtype, config.device)
+        pages = pool_pages(config, model_config.kv_bytes_per_token(dtype.itemsize))
+        pool = KVPool(
+            model_config.num_layers,
+            pages,
+            config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            config.device,
+        )
+        return cls(model, pool, config.device)
+
+    @property
+    def description(self) -> str:
+        dtype = str(self.pool.kv.dtype).removeprefix("torch.")
+        return f"{dtype}, {self.device}, weights {self.model.weight_bytes() / 1e6:.1f} MB"
+
+    def generator(self, seed: int) -> torch.Generator:
+        """The random stream of one sequence that samples (not greedy)."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Runs the step and samples: each sequence whose tokens are all computed, with its next token."""
+        seqs, logits = self.run(batch)
+        if not seqs:
+            return []
+        picks = sample(logits, seqs)
+        return [(seq, token, logprob) for seq, (token, logprob) in zip(seqs, picks, strict=True)]
+
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
         """Computes this step's tokens; returns the sequences that sample and their logits [S, vocab]."""
-        spans = [(seq, seq.num_computed, 1) for seq in batch.decodes]
-        spans += [(seq, seq.num_computed, chunk) for seq, chunk in batch.prefills]
+        spans = batch.spans()
         input_ids: list[int] = []
         positions: list[int] = []
         for seq, start, length in spans:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from kvroute.blocks import chain_hash
 from replica.kv_events import KVEventKind, KVEventOutbox
-from replica.kv_pool import KVPool
+from replica.kv_pool import PagePool
 
 
 class RadixNode:
@@ -34,7 +34,7 @@ class RadixNode:
 class RadixCache:
     """The tree, its LRU eviction, reference counting, and the event outbox."""
 
-    def __init__(self, pool: KVPool, seed_hash: int, outbox: KVEventOutbox | None = None) -> None:
+    def __init__(self, pool: PagePool, seed_hash: int, outbox: KVEventOutbox | None = None) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self.seed_hash = seed_hash

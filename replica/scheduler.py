@@ -24,6 +24,11 @@ class ScheduledBatch:
     def __bool__(self) -> bool:
         return bool(self.decodes or self.prefills)
 
+    def spans(self) -> list[tuple[Sequence, int, int]]:
+        """``(sequence, first position, tokens)`` computed this step: the decodes, then the chunks."""
+        spans = [(seq, seq.num_computed, 1) for seq in self.decodes]
+        return spans + [(seq, seq.num_computed, chunk) for seq, chunk in self.prefills]
+
 
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:

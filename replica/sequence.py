@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from enum import Enum
-
-import torch
+from typing import TYPE_CHECKING
 
 from replica.outputs import TokenLogprob
 from replica.radix_cache import RadixNode
 from replica.sampling_params import SamplingParams
 from replica.stop_text import StopTextTracker
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SequenceStatus(Enum):
