@@ -280,14 +280,14 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(value, str):
             return [value]
         if isinstance(value, list) and value:
+            if _is_token_ids(value):
+                return [value]  # one prompt of token ids: its length is the context's business
             if len(value) > MAX_PROMPTS:
                 raise PydanticCustomError(
                     "invalid_value", "expected at most {max} prompts", {"max": MAX_PROMPTS}
                 )
             if all(isinstance(p, str) for p in value):
                 return value
-            if _is_token_ids(value):
-                return [value]
             if all(_is_token_ids(p) and p for p in value):
                 return value
         elif isinstance(value, list):

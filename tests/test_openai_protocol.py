@@ -165,10 +165,16 @@ def test_context_messages_are_worded_like_openai() -> None:
         (["a", "b"], ["a", "b"]),
         ([1, 2, 3], [[1, 2, 3]]),
         ([[1, 2], [3]], [[1, 2], [3]]),
+        (list(range(500)), [list(range(500))]),  # one long token-id prompt is not a batch of 500
     ],
 )
 def test_prompt_shapes_normalise_to_a_batch(prompt: Any, expected: list[Any]) -> None:
     assert parse_request(CompletionRequest, completion(prompt=prompt)).prompt == expected
+
+
+def test_batches_above_the_limit_are_refused() -> None:
+    error = error_of(CompletionRequest, completion(prompt=["x"] * 65))
+    assert error.status == 400 and "at most 64 prompts" in error.message
 
 
 def test_defaults_nulls_and_unknown_fields() -> None:
