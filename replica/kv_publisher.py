@@ -141,6 +141,7 @@ class KVPublisher:
         self._lock = asyncio.Lock()
         self._stopping = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
+        self._deregistration: asyncio.Task[None] | None = None
 
     @property
     def epoch(self) -> str:
@@ -174,7 +175,13 @@ class KVPublisher:
 
     async def stop(self) -> None:
         """Deregisters at once (heartbeat, replicas entry, blocks set, CLEARED), so gateways need
-        not wait for the TTL; bounded by ``socket_timeout`` when Redis is away."""
+        not wait for the TTL; bounded by ``socket_timeout`` when Redis is away. Idempotent: the
+        server calls it when a shutdown signal arrives and again when its lifespan ends."""
+        if self._deregistration is None:
+            self._deregistration = asyncio.create_task(self._deregister())
+        await asyncio.shield(self._deregistration)
+
+    async def _deregister(self) -> None:
         self._stopping.set()
         for task in self._tasks:
             task.cancel()  # a write cut short is harmless: everything it touched is deleted below

@@ -6,11 +6,15 @@ as a logged 500, never Starlette's plain-text or HTML pages, because clients par
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import uvicorn
@@ -21,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.main import STARTUP_FAILURE
 
 from kvroute.errors import APIError, model_not_found
 from kvroute.http import Handler, http_error, openai_errors, read_body
@@ -206,6 +211,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        app.state.loop = asyncio.get_running_loop()
         engine.start()
         try:
             if publisher is not None:
@@ -220,12 +226,36 @@ def build_app(
 
     api = _ReplicaAPI(engine, max_body_bytes)
     middleware = [] if not api_key else [Middleware(_SharedKeyAuth, key=api_key)]
-    return Starlette(
+    app = Starlette(
         routes=api.routes(),
         middleware=middleware,
         lifespan=lifespan,
         exception_handlers={HTTPException: http_error},
     )
+    app.state.publisher = publisher
+    return app
+
+
+class _DeregisterFirstServer(uvicorn.Server):
+    """uvicorn, except that the first shutdown signal also takes the replica out of Redis at once:
+    gateways stop routing here while in-flight requests get their graceful period, instead of
+    sending new work to a replica that no longer accepts connections."""
+
+    def __init__(self, config: uvicorn.Config, app: Starlette) -> None:
+        super().__init__(config)
+        self._app = app
+        self._deregistration: asyncio.Task[None] | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        publisher: KVPublisher | None = self._app.state.publisher
+        loop: asyncio.AbstractEventLoop | None = getattr(self._app.state, "loop", None)
+        if publisher is not None and loop is not None and not self.should_exit:
+            log.info("shutting down: leaving the cache index now, finishing in-flight requests")
+            loop.call_soon_threadsafe(self._start_deregistration, publisher)
+        super().handle_exit(sig, frame)
+
+    def _start_deregistration(self, publisher: KVPublisher) -> None:
+        self._deregistration = asyncio.create_task(publisher.stop())
 
 
 def _make_publisher(engine: AsyncEngine, config: PublisherConfig) -> KVPublisher:
@@ -273,10 +303,11 @@ def run_server(
             publisher_config.replica_id,
             publisher_config.advertise_url,
         )
-    uvicorn.run(
-        app,
-        host=host,
-        port=port,
-        log_level=log_level.lower(),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
     )
+    server = _DeregisterFirstServer(config, app)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)  # e.g. the port is taken: as uvicorn.run does

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import os
 import signal
 import time
@@ -535,5 +536,38 @@ def test_cli_replica_publishes_and_deregisters_on_sigterm(
         events = stream(client, llama_dir.name)
         assert events[-1].kind is EventKind.CLEARED
         assert replay(events, replica) == (events[-1].epoch, set())
+    finally:
+        process.kill()
+
+
+def test_sigterm_leaves_the_index_at_once_and_still_finishes_in_flight_requests(
+    redis_server: RedisServer, llama_dir: Path, tmp_path: Path
+) -> None:
+    """Gateways must stop routing to a stopping replica before its graceful period, not after."""
+    profile = tmp_path / "slow.json"
+    slow_decode = {"decode_base_s": 0.05, "decode_seq_s": 0.0, "decode_context_s": 0.0}
+    prefill = {"prefill_base_s": 0.0, "prefill_token_s": 0.0, "prefill_pair_s": 0.0, "prefill_seq_s": 0.0}
+    profile.write_text(json.dumps({"name": "slow-decode", **slow_decode, **prefill}))
+    client = redis_server.client()
+    process = ReplicaProcess(
+        llama_dir, tmp_path / "replica.log", "--engine", "sim", "--profile", str(profile),
+        "--redis", redis_server.url, "--heartbeat-interval", "0.2",
+    )  # fmt: skip
+    replica = f"127.0.0.1:{process.port}"
+    try:
+        body = {"model": llama_dir.name, "prompt": "hello", "max_tokens": 60, "stream": True}
+        with httpx.stream("POST", f"{process.url}/v1/completions", json=body, timeout=30) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: ")), "no first chunk"
+            process.process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 1.0  # the stream still has ~2.5 s to go
+            while client.exists(KEYS.heartbeat(replica)) or client.smembers(KEYS.replicas):
+                assert time.monotonic() < deadline, "still registered after SIGTERM"
+                time.sleep(0.02)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", process.log_path.read_text()
+        text_chunks = [json.loads(line[6:]) for line in rest[:-1]]
+        assert sum(1 for chunk in text_chunks if chunk["choices"]) == 59  # the first one came earlier
+        assert process.process.wait(timeout=30) == -signal.SIGTERM
     finally:
         process.kill()
