@@ -53,14 +53,23 @@ class RadixCache:
     # -- lookup ---------------------------------------------------------------------------------
 
     def match_prefix(self, token_ids: Sequence[int], max_pages: int) -> list[RadixNode]:
-        """Nodes of the longest cached whole-page prefix, at most ``max_pages`` of them."""
-        size, node, matched = self.page_size, self.root, []
+        """Nodes of the longest cached whole-page prefix, at most ``max_pages`` of them (now used)."""
+        matched = self._walk(token_ids, max_pages)
         now = next(self._clock)
+        for node in matched:
+            node.last_access = now
+        return matched
+
+    def cached_prefix_tokens(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens are cached right now; a peek that leaves the LRU order alone."""
+        return len(self._walk(token_ids, len(token_ids) // self.page_size)) * self.page_size
+
+    def _walk(self, token_ids: Sequence[int], max_pages: int) -> list[RadixNode]:
+        size, node, matched = self.page_size, self.root, []
         for start in range(0, min(max_pages, len(token_ids) // size) * size, size):
             child = node.children.get(tuple(token_ids[start : start + size]))
             if child is None:
                 break
-            child.last_access = now
             matched.append(child)
             node = child
         return matched

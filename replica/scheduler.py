@@ -10,6 +10,7 @@ recomputed later, usually hitting that cache.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from replica.kv_manager import KVManager
@@ -41,12 +42,18 @@ class Scheduler:
 
     @property
     def waiting_prefill_tokens(self) -> int:
-        return sum(seq.num_uncomputed for seq in self.waiting) + sum(
-            seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1
-        )
+        """Prefill work queued here, in tokens: what gateways weigh against a cache hit. A waiting
+        request whose prefix is cached counts only its uncached tail (as of when it was queued),
+        so a replica busy with cache hits does not look as loaded as one with cold prompts."""
+        waiting = sum(max(1, seq.num_uncomputed - seq.expected_cached_tokens) for seq in self.waiting)
+        return waiting + sum(seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._queue(seq, self.waiting.append)
+
+    def _queue(self, seq: Sequence, put: Callable[[Sequence], None]) -> None:
+        seq.expected_cached_tokens = self.kv.cache.cached_prefix_tokens(seq.token_ids)
+        put(seq)
 
     def remove(self, seq: Sequence) -> None:
         """Takes a finished or aborted sequence out and frees its pages."""
@@ -132,7 +139,7 @@ class Scheduler:
         self.kv.commit(seq)
         self.kv.release(seq)
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._queue(seq, self.waiting.appendleft)
         self.num_preemptions += 1
 
 

@@ -49,6 +49,7 @@ class Sequence:
         self.tree_node = root  # deepest locked tree node; root means none
         self.num_computed = 0
         self.num_cached_tokens: int | None = None  # prompt tokens hit in the cache at first admission
+        self.expected_cached_tokens = 0  # while waiting: what the cache held when it was queued
         # n > 1: wait until the first choice's prompt pages are in the cache, then share them
         self.wait_for: Sequence | None = None
         # output not yet handed to the client

@@ -73,6 +73,22 @@ def test_generated_tokens_are_cached_for_the_next_turn(engine: LLMEngine) -> Non
     assert first.final["turn1"].cached_tokens == 0
 
 
+def test_queued_load_counts_only_the_uncached_tail(engine: LLMEngine) -> None:
+    """Gateways weigh a replica's queued prefill tokens against a cache hit: a queued request whose
+    prefix is cached must not look like a cold one."""
+    prompt = random_prompt(100, seed=30)
+    engine.add_request("warm-up", prompt, GREEDY)
+    run_all(engine)
+    coldest = min(engine.cache.iter_nodes(), key=lambda node: node.last_access).last_access
+    engine.add_request("hit", [*prompt[:96], *random_prompt(20, seed=31)], GREEDY)
+    engine.add_request("cold", random_prompt(50, seed=32), GREEDY)
+    assert engine.stats().waiting_prefill_tokens == (116 - 96) + 50
+    # the estimate only peeks: queueing does not refresh the cached pages' LRU position
+    assert min(node.last_access for node in engine.cache.iter_nodes()) == coldest
+    run_all(engine)
+    assert engine.stats().waiting_prefill_tokens == 0
+
+
 def test_requests_join_the_running_batch_at_step_boundaries(engine: LLMEngine) -> None:
     engine.add_request("a", random_prompt(20, seed=3), GREEDY)
     engine.step()
