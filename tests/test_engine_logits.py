@@ -4,6 +4,8 @@ Covers a plain prefill, the same prompt prefilled in uneven chunks, 20 decode st
 with other sequences of different lengths, so padding masks are exercised), and a prompt whose
 prefix comes from the radix cache. Both the tiny Llama (tied embeddings, plain rope) and the
 tiny Qwen3 (q/k norms, untied head) are checked; further architectures in test_model_loading.
+The bf16 decode path (K/V widened to fp32 for attention) is held to bf16 rounding of the same
+reference.
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from replica.engine import LLMEngine
+from replica.engine_config import EngineConfig
 from replica.sampling_params import SamplingParams
 from replica.scheduler import ScheduledBatch
 from replica.sequence import Sequence, SequenceStatus
 from tests.conftest import EngineFactory
 
 TOLERANCE = 1e-4
+BF16_TOLERANCE = 3e-2  # as the SmolLM2 bf16 check: a few bf16 roundings per layer
 
 
 def reference_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
@@ -85,9 +89,10 @@ def test_chunked_prefill(model_dir: Path, make_engine: EngineFactory) -> None:
     engine.check_integrity()
 
 
-def test_twenty_batched_decode_steps(model_dir: Path, make_engine: EngineFactory) -> None:
+def twenty_batched_decode_steps(engine: LLMEngine) -> tuple[list[Sequence], torch.Tensor]:
+    """Three prompts of different lengths prefilled, then decoded together 20 steps (padding masks);
+    returns the sequences and the last step's logits."""
     prompts = [random_prompt(length, seed=length) for length in (40, 63, 17)]
-    engine = make_engine(model_dir)
     seqs = [start(engine, p) for p in prompts]
     for seq in seqs:
         run_chunk(engine, seq, len(seq.token_ids))
@@ -100,8 +105,26 @@ def test_twenty_batched_decode_steps(model_dir: Path, make_engine: EngineFactory
         assert samplers == seqs
         for seq in seqs:
             engine.kv.commit(seq)
+    return seqs, logits
+
+
+def test_twenty_batched_decode_steps(model_dir: Path, make_engine: EngineFactory) -> None:
+    engine = make_engine(model_dir)
+    seqs, logits = twenty_batched_decode_steps(engine)
     for row, seq in enumerate(seqs):
         assert_close(logits[row], reference_logits(model_dir, seq.token_ids)[-1])
+    engine.check_integrity()
+
+
+def test_bf16_batched_decode_tracks_fp32(model_dir: Path) -> None:
+    """bf16 decode attention widens K/V to fp32 for SDPA; the result must come back in bf16 and
+    stay within bf16 rounding of the fp32 reference."""
+    engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kv_cache_tokens=4096))
+    seqs, logits = twenty_batched_decode_steps(engine)
+    for row, seq in enumerate(seqs):
+        expected = reference_logits(model_dir, seq.token_ids)[-1]
+        error = ((logits[row] - expected).abs().max() / expected.abs().max()).item()
+        assert error < BF16_TOLERANCE, f"relative error {error:.2e}"
     engine.check_integrity()
 
 
