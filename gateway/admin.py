@@ -1,15 +1,18 @@
 """The admin API under ``/admin`` (the admin key guards it: see :mod:`gateway.auth`).
 
-* ``GET /admin/replicas``: every known replica (live heartbeat, or static) with its load, KV
-  usage, indexed blocks, health (``healthy`` = neither drained nor ejected) and requests routed to
-  it; per model, prompt tokens against predicted and real cached
-  tokens (the gateway counts those per model, not per replica).
+* ``GET /admin/replicas``: every replica the gateway knows: from Redis (``"source": "redis"``:
+  heartbeat age, load, KV usage) or ``--replica`` (``"static"``: no heartbeat, so no KV usage or
+  queue figures; ``"listed": false`` while it does not answer, or while Redis replicas serve its
+  model), with its model, URL, epoch, health (``healthy`` = listed, neither drained nor ejected),
+  indexed blocks, requests routed to it and, over the answers whose usage came back, prompt
+  tokens against predicted and real cached tokens; the same totals per model.
 * ``POST /admin/route``: a chat or completions body (the JSON of ``/v1/...``) in, the routing
   decision out, nothing sent: per replica matched tokens, load and cost (``null`` with
   ``"capped": true`` for a replica over the queue cap), the winner, the policy, prompt tokens.
   Honours ``x-kvroute-policy`` like the request path does for admins.
 * ``POST /admin/replicas/{id}/drain`` takes a replica out of rotation (new requests only; what it
-  is serving finishes); ``DELETE`` on the same path puts it back.
+  is serving finishes); ``DELETE`` on the same path puts it back. A static replica's id is
+  ``host:port`` of its URL, answering or not.
 
 Per-request policy override: a ``/v1`` request with ``x-kvroute-policy: <name>`` and the admin
 key as its Bearer token is routed by that policy (:meth:`AdminAPI.policy_override`); the header is
@@ -29,6 +32,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from gateway.auth import ADMIN, AUTH_SCOPE_KEY
+from gateway.health import STATIC_EPOCH
+from gateway.index_mirror import ReplicaInfo
+from gateway.metrics import ReplicaStats
 from gateway.policies import POLICIES, Policy, make_policy
 from kvroute.errors import APIError
 from kvroute.http import openai_errors, read_body
@@ -84,69 +90,84 @@ class AdminAPI:
 
     async def replicas(self, request: Request) -> Response:
         api = self.api
-        routed = self._requests_by_replica()
-        now = time.time()
-        rows = []
-        live = set()
-        for info in api.router.known_replicas():
-            live.add(info.replica_id)
-            drained = info.replica_id in api.router.drained
-            ejected = api.router.health is not None and api.router.health.is_ejected(info.replica_id)
-            try:
-                indexed = len(api.mirror.index.replica_blocks(info.replica_id))
-            except KeyError:
-                indexed = 0
+        rows = [self._replica_row(info) for info in api.router.known_replicas()]
+        listed = {row["id"] for row in rows}
+        health = api.replica_health
+        answering = {info.url: info for info in health.static_replicas()}
+        for replica_id, url in health.static_ids().items():
+            if replica_id not in listed:  # not answering, or its model is served by Redis replicas
+                info = answering.get(url)
+                row = self._replica_row(info) if info else self._silent_static_row(replica_id, url)
+                rows.append(row | {"listed": False, "answering": info is not None, "healthy": False})
+        listed = {row["id"] for row in rows}
+        for replica_id in sorted(api.router.drained - listed):  # drained and gone: still worth showing
             rows.append(
-                {
-                    "id": info.replica_id,
-                    "model": info.model,
-                    "url": info.url,
-                    "epoch": info.epoch,
-                    "healthy": not (drained or ejected),
-                    "heartbeat_age_s": round(max(0.0, now - info.ts), 3),
-                    "drained": drained,
-                    "ejected": ejected,
-                    "load": {
-                        "running": info.running,
-                        "waiting": info.waiting,
-                        "waiting_prefill_tokens": info.waiting_prefill_tokens,
-                        "gateway_inflight": api.router.inflight(info.replica_id),
-                    },
-                    "kv": {
-                        "used_pages": info.kv_used_pages,
-                        "total_pages": info.kv_total_pages,
-                        "block_size": info.block_size,
-                    },
-                    "indexed_blocks": indexed,
-                    "requests_routed": routed.get(info.replica_id, 0),
-                }
-            )
-        for replica_id in sorted(api.router.drained - live):  # drained and gone: still worth showing
-            rows.append(
-                {
-                    "id": replica_id,
-                    "healthy": False,
-                    "listed": False,
-                    "drained": True,
-                    "requests_routed": routed.get(replica_id, 0),
-                }
+                {"id": replica_id, "healthy": False, "listed": False, "drained": True}
+                | self._outcomes(replica_id)
             )
         return JSONResponse(
             {
-                "redis": "stale" if api.mirror.stale else "ok",
+                "redis": "none" if not api.router.use_index else "stale" if api.mirror.stale else "ok",
                 "policy": api.router.policy.name,
                 "replicas": rows,
                 "models": self._cache_tokens_by_model(),
             }
         )
 
-    def _requests_by_replica(self) -> dict[str, int]:
-        counts: dict[str, int] = defaultdict(int)
-        for metric in self.api.metrics.requests.collect():
-            for sample in metric.samples:
-                if sample.name.endswith("_total"):
-                    counts[sample.labels["replica"]] += int(sample.value)
-        return counts
+    def _replica_row(self, info: ReplicaInfo) -> dict[str, Any]:
+        """One replica as the gateway knows it. A static replica has no heartbeat: no KV usage, no
+        queue figures, only the gateway's own in-flight count."""
+        api = self.api
+        router = api.router
+        static = info.epoch == STATIC_EPOCH
+        drained = info.replica_id in router.drained
+        ejected = api.replica_health.is_ejected(info.replica_id)
+        return {
+            "id": info.replica_id,
+            "source": "static" if static else "redis",
+            "model": info.model,
+            "url": info.url,
+            "epoch": info.epoch,
+            "listed": True,
+            "healthy": not (drained or ejected),
+            "drained": drained,
+            "ejected": ejected,
+            "heartbeat_age_s": None if static else round(max(0.0, time.time() - info.ts), 3),
+            "load": {
+                "running": None if static else info.running,
+                "waiting": None if static else info.waiting,
+                "waiting_prefill_tokens": None if static else info.waiting_prefill_tokens,
+                "gateway_inflight": router.inflight(info.replica_id),
+            },
+            "kv": None
+            if static
+            else {
+                "used_pages": info.kv_used_pages,
+                "total_pages": info.kv_total_pages,
+                "block_size": info.block_size,
+            },
+            "indexed_blocks": api.mirror.index.num_blocks(info.replica_id),
+        } | self._outcomes(info.replica_id)
+
+    def _silent_static_row(self, replica_id: str, url: str) -> dict[str, Any]:
+        """A static replica that did not answer its last discovery: its model is unknown."""
+        drained = replica_id in self.api.router.drained
+        row = {"id": replica_id, "source": "static", "url": url, "drained": drained}
+        return row | self._outcomes(replica_id)
+
+    def _outcomes(self, replica_id: str) -> dict[str, Any]:
+        """Requests routed to the replica, and for those whose usage came back, predicted against
+        real cached tokens."""
+        stats = self.api.replica_stats.get(replica_id) or ReplicaStats()
+        return {
+            "requests_routed": stats.requests,
+            "usage": {
+                "reports": stats.usage_reports,
+                "prompt_tokens": stats.prompt_tokens,
+                "predicted_cached_tokens": stats.predicted_cached_tokens,
+                "cached_tokens": stats.cached_tokens,
+            },
+        }
 
     def _cache_tokens_by_model(self) -> dict[str, dict[str, int]]:
         metrics = self.api.metrics
@@ -176,7 +197,7 @@ class AdminAPI:
         body: ChatCompletionRequest | CompletionRequest = (
             parse_request(ChatCompletionRequest, raw) if is_chat else parse_request(CompletionRequest, raw)
         )
-        route, prompt_ids = await api.decide(request, body)
+        route, prompt = await api.decide(request, body)
         router = api.router
         replicas = router.replicas_by_fingerprint(body.model)[1]
         by_id = {info.replica_id: info for info in replicas}
@@ -202,7 +223,7 @@ class AdminAPI:
                 "model": body.model,
                 "endpoint": "/v1/chat/completions" if is_chat else "/v1/completions",
                 "policy": route.decision.policy,
-                "prompt_tokens": len(prompt_ids),
+                "prompt_tokens": len(prompt),
                 "blocks": len(route.hashes),
                 "winner": route.decision.replica_id,
                 "order": [info.replica_id for info in route.ordered],
@@ -220,6 +241,7 @@ class AdminAPI:
             drained.discard(replica_id)
         else:
             known = {r.replica_id for r in self.api.router.known_replicas()}
+            known.update(self.api.replica_health.static_ids())
             if replica_id not in drained and replica_id not in known:
                 raise APIError(f"No live replica {replica_id!r}.", 404, param="id", code="replica_not_found")
             drained.add(replica_id)

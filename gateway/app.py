@@ -2,14 +2,20 @@
 
 Per request: validate (the shared OpenAI schema, so bad input never reaches a replica), find the
 model's live replicas in the Redis index mirror, tokenize exactly as they do (their own tokenizer,
-fetched once and checked against the fingerprint they registered), hash the prompt's blocks, let
-the policy choose, then proxy (``gateway.proxy``): retried on the next-best replica until a byte
-has reached the client, streamed through untouched, with ``x-kvroute-replica`` and
+fetched once and checked against the fingerprint they registered; ids reused across a chat's turns,
+see ``gateway.tokenizers``), hash the prompt's blocks, let the policy choose, then proxy
+(``gateway.proxy`` over ``gateway.upstream``): retried on the next-best replica until a byte has
+reached the client, streamed through untouched, with ``x-kvroute-replica`` and
 ``x-kvroute-predicted-cached-tokens`` headers.
+
+The two generation endpoints are plain ASGI (:meth:`_GatewayAPI.serve_generation`): Starlette's
+routing, middleware and response layers cost more CPU per request than the gateway's own work.
+Every other endpoint is a Starlette route. uvicorn runs it on uvloop with httptools.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -23,21 +29,22 @@ import uvicorn
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminAPI
 from gateway.auth import GatewayAuth
 from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S, ReplicaHealth
 from gateway.index_mirror import IndexMirror, ReplicaInfo
-from gateway.metrics import GatewayMetrics
+from gateway.metrics import GatewayMetrics, ReplicaStats
 from gateway.policies import make_policy
-from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, open_upstream, with_usage_requested
+from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, forwarded_body, open_upstream
 from gateway.routing import RoutePlan, Router
-from gateway.tokenizers import TokenizerError, TokenizerRegistry
-from kvroute.errors import APIError, model_not_found
+from gateway.tokenizers import Prompt, TokenizerError, TokenizerRegistry
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from kvroute.errors import APIError, internal_error, model_not_found
 from kvroute.http import http_error, openai_errors, read_body
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvroute.redis_schema import DEFAULT_PREFIX
@@ -45,8 +52,10 @@ from kvroute.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvroute.gateway")
 
-_JSON = {"content-type": "application/json"}
 _LOAD_ONLY_POLICIES = frozenset({"round-robin", "least-loaded", "random"})  # need no index
+_GENERATION_PATHS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
 
 
 @dataclass
@@ -67,6 +76,7 @@ class GatewaySettings:
     admin_key: str | None = None  # Bearer key for /admin (none: the admin API is disabled)
     metrics_key_required: bool = False  # /metrics needs a data or admin key
     replica_key: str | None = None  # Bearer key sent on every call to a replica
+    tokenizer_cache_bytes: int = 256 * 1024 * 1024  # token ids cached for repeated and multi-turn chats
 
 
 class _GatewayAPI:
@@ -83,12 +93,14 @@ class _GatewayAPI:
         if settings.max_queue is not None:
             policy_settings["max_queue"] = settings.max_queue
         self.metrics = GatewayMetrics(registry)
-        self.http = httpx.AsyncClient(
+        auth = {"authorization": f"Bearer {settings.replica_key}"} if settings.replica_key else None
+        self.http = httpx.AsyncClient(  # everything but proxying: tokenizer fetches, discovery, probes
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=2.0),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256),
-            headers={"authorization": f"Bearer {settings.replica_key}"} if settings.replica_key else None,
+            limits=httpx.Limits(max_connections=256, max_keepalive_connections=16),
+            headers=auth,
         )
-        self.tokenizers = TokenizerRegistry(self.http)
+        self.upstream = UpstreamPool(read_timeout=settings.upstream_timeout_s, headers=auth)
+        self.tokenizers = TokenizerRegistry(self.http, cache_bytes=settings.tokenizer_cache_bytes)
         self.replica_health = ReplicaHealth(
             self.http,
             eject_after=settings.eject_after,
@@ -97,12 +109,11 @@ class _GatewayAPI:
             static_urls=settings.replicas,
         )
         self.router = self._make_router(policy_settings)
+        self.replica_stats: dict[str, ReplicaStats] = {}
         self.admin = AdminAPI(self)
 
     def routes(self) -> list[Route]:
         endpoints = [
-            ("/v1/chat/completions", self.chat, "POST"),
-            ("/v1/completions", self.completions, "POST"),
             ("/v1/models", self.models, "GET"),
             ("/health", self.health, "GET"),
             ("/metrics", self.prometheus, "GET"),
@@ -111,16 +122,6 @@ class _GatewayAPI:
             Route(path, openai_errors(handler), methods=[method]) for path, handler, method in endpoints
         ]
         return routes + self.admin.routes()
-
-    async def chat(self, request: Request) -> Response:
-        raw = await read_body(request, self.settings.max_body_bytes)
-        return await self._generate(
-            request, raw, parse_request(ChatCompletionRequest, raw), "/v1/chat/completions"
-        )
-
-    async def completions(self, request: Request) -> Response:
-        raw = await read_body(request, self.settings.max_body_bytes)
-        return await self._generate(request, raw, parse_request(CompletionRequest, raw), "/v1/completions")
 
     def _make_router(self, policy_settings: dict[str, Any]) -> Router:
         """The configured policy, and a load-only one for when the index cannot be used."""
@@ -134,25 +135,25 @@ class _GatewayAPI:
         health = self.replica_health
         return Router(self.mirror, policy, health=health, load_policy=load_policy, use_index=use_index)
 
-    async def _prompt_ids(
+    async def _prompt(
         self, tokenizer: TextTokenizer, body: ChatCompletionRequest | CompletionRequest
-    ) -> list[int]:
+    ) -> Prompt:
         """The ids the replica will see (for a batch of completions prompts: the first one's)."""
         try:
             if isinstance(body, ChatCompletionRequest):
                 return await self.tokenizers.encode_chat(tokenizer, *body.template_inputs())
             prompt = body.prompt[0]
-            return (
-                list(prompt)
-                if isinstance(prompt, list)
-                else await self.tokenizers.encode_prompt(tokenizer, prompt)
-            )
+            if isinstance(prompt, list):
+                return Prompt.of(prompt)
+            return await self.tokenizers.encode_prompt(tokenizer, prompt)
+        except OverflowError:
+            raise APIError("Invalid 'prompt': token ids must be below 2**32.", param="prompt") from None
         except ValueError as error:
             raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
 
     async def decide(
         self, request: Request, body: ChatCompletionRequest | CompletionRequest
-    ) -> tuple[RoutePlan, list[int]]:
+    ) -> tuple[RoutePlan, Prompt]:
         """Tokenize as the replicas do and let the policy (or an admin's override) choose.
 
         The request path and ``POST /admin/route`` both call this, so the explained decision is
@@ -164,88 +165,178 @@ class _GatewayAPI:
         for info in replicas:
             if info.fingerprint != fingerprint:
                 self.metrics.fingerprint_mismatches.labels(body.model, info.replica_id).inc()
-        urls = [r.url for r in replicas if r.fingerprint == fingerprint]
-        try:
-            tokenizer = await self.tokenizers.get(body.model, fingerprint, urls)
-        except TokenizerError as error:
-            raise APIError(
-                f"Cannot tokenize for {body.model}: {error}", 503, code="tokenizer_unavailable"
-            ) from None
-        prompt_ids = await self._prompt_ids(tokenizer, body)
+        tokenizer = self.tokenizers.cached(body.model, fingerprint)
+        if tokenizer is None:
+            urls = [r.url for r in replicas if r.fingerprint == fingerprint]
+            try:
+                tokenizer = await self.tokenizers.get(body.model, fingerprint, urls)
+            except TokenizerError as error:
+                raise APIError(
+                    f"Cannot tokenize for {body.model}: {error}", 503, code="tokenizer_unavailable"
+                ) from None
+        prompt = await self._prompt(tokenizer, body)
         route = self.router.route(
             body.model,
             fingerprint,
             replicas,
-            prompt_ids,
+            prompt,
             request.headers.get("x-session-id"),
             policy=self.admin.policy_override(request),
         )
-        return route, prompt_ids
+        return route, prompt
 
-    async def _generate(
-        self, request: Request, raw: bytes, body: ChatCompletionRequest | CompletionRequest, path: str
-    ) -> Response:
+    # -- the generation endpoints (plain ASGI) ----------------------------------------------------
+
+    async def serve_generation(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """``POST /v1/chat/completions`` and ``POST /v1/completions``.
+
+        Failures before the response starts become OpenAI error replies; after it has started (a
+        stream), :meth:`_stream` reports them in the stream itself.
+        """
+        try:
+            await self._generate(Request(scope, receive), send)
+        except APIError as error:
+            await error.to_response()(scope, receive, send)
+        except ClientDisconnect:
+            pass  # nobody to answer
+        except Exception:
+            log.exception("unhandled error in POST %s", scope["path"])
+            await internal_error().to_response()(scope, receive, send)
+
+    async def _generate(self, request: Request, send: Send) -> None:
         started = time.monotonic()
-        route, prompt_ids = await self.decide(request, body)
+        raw = await read_body(request, self.settings.max_body_bytes)
+        path = request.scope["path"]
+        body = parse_request(_GENERATION_PATHS[path], raw)
+        route, prompt = await self.decide(request, body)
         self.metrics.routing.observe(time.monotonic() - started)
         if route.decision.replica_id is None:
             raise APIError(
                 "Every replica of this model has a full queue; retry later.", 429, code="rate_limit_exceeded"
             )
-        payload, client_wants_usage = with_usage_requested(json.loads(raw))
+        forward, client_wants_usage = forwarded_body(raw, body)
         # Count the request on the winner before awaiting anything: decisions taken meanwhile (a
         # burst of requests with one new prefix) must see its load and its predicted blocks.
         replica = route.ordered[0]
-        ticket = self._commit(route, replica, len(prompt_ids))
+        ticket = self._commit(route, replica, len(prompt))
         try:
-            upstream = await open_upstream(
-                self.http, [r.url for r in route.ordered], path, json.dumps(payload).encode(), _JSON
-            )
+            urls = [r.url for r in route.ordered]
+            upstream = await open_upstream(self.upstream, urls, path, forward, whole=not body.stream)
         except UpstreamUnavailable as error:
             self.router.done(ticket)
             self._report_failures(route.ordered, error.failures)
             raise APIError(
                 f"No replica could take the request: {error}", 503, code="service_unavailable"
             ) from None
+        except BaseException:  # cancelled: the request is no longer in flight
+            self.router.done(ticket)
+            raise
         self._report_failures(route.ordered, upstream.failures)
         if upstream.url != replica.url:  # retried elsewhere: move the count and the prediction
             self.router.done(ticket)
             replica = next(r for r in route.ordered if r.url == upstream.url)
-            ticket = self._commit(route, replica, len(prompt_ids))
+            ticket = self._commit(route, replica, len(prompt))
+        response = upstream.response
         predicted = route.predicted_tokens.get(replica.replica_id, 0)
-        labels = (body.model, replica.replica_id, route.decision.policy, str(upstream.response.status_code))
-        self.metrics.requests.labels(*labels).inc()
-        self.metrics.retries.labels(body.model).inc(len(upstream.failures))
-        self.metrics.prompt_tokens.labels(body.model).inc(len(prompt_ids))
-        self.metrics.predicted_cached_tokens.labels(body.model).inc(predicted)
-        headers = {
-            "x-kvroute-replica": replica.replica_id,
-            "x-kvroute-predicted-cached-tokens": str(predicted),
-        }
-        if body.stream and upstream.response.status_code == 200:
-            relay = SSERelay(upstream.response, forward_usage=client_wants_usage)
-            events = self._relay(relay, ticket, body.model, started, replica)
-            return StreamingResponse(events, media_type="text/event-stream", headers=headers)
+        model = self.metrics.model(body.model)
+        self.metrics.requests_for(
+            body.model, replica.replica_id, route.decision.policy, response.status
+        ).inc()
+        if upstream.failures:
+            model.retries.inc(len(upstream.failures))
+        model.prompt_tokens.inc(len(prompt))
+        model.predicted_cached_tokens.inc(predicted)
+        stats = self._stats(replica.replica_id)
+        stats.requests += 1
+        headers = [
+            (b"x-kvroute-replica", replica.replica_id.encode()),
+            (b"x-kvroute-predicted-cached-tokens", b"%d" % predicted),
+        ]
+        if body.stream and response.status == 200:
+            relay = SSERelay(response, forward_usage=client_wants_usage)
+            await self._stream(request, send, relay, headers, ticket, body.model, started, replica, predicted)
+            return
         try:
-            content = await upstream.response.aread()
-        except httpx.HTTPError as error:
-            why = f"{type(error).__name__}: {error}"
-            self.replica_health.failed(replica.replica_id, replica.url, why)
+            content = await response.read()
+        except UpstreamError as error:
+            self.replica_health.failed(replica.replica_id, replica.url, str(error))
             raise APIError(
-                f"Replica {replica.replica_id} failed before completing the response ({why}).",
+                f"Replica {replica.replica_id} failed before completing the response ({error}).",
                 502,
                 code="upstream_failed",
             ) from None
         finally:
-            await upstream.response.aclose()
+            response.close()
             self.router.done(ticket)
-        self.metrics.e2e.labels(body.model).observe(time.monotonic() - started)
-        if upstream.response.status_code == 200:
+        model.e2e.observe(time.monotonic() - started)
+        if response.status == 200:
             self.replica_health.succeeded(replica.replica_id)
-            self._count_cached(body.model, json.loads(content).get("usage"))
-        return Response(
-            content, status_code=upstream.response.status_code, headers=headers, media_type="application/json"
+            self._count_cached(body.model, replica.replica_id, predicted, json.loads(content).get("usage"))
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status,
+                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(content)), *headers],
+            }
         )
+        await send({"type": "http.response.body", "body": content})
+
+    async def _stream(
+        self,
+        request: Request,
+        send: Send,
+        relay: SSERelay,
+        headers: list[tuple[bytes, bytes]],
+        ticket: int,
+        model: str,
+        started: float,
+        replica: ReplicaInfo,
+        predicted: int,
+    ) -> None:
+        """Relays the replica's events. If the client leaves, the upstream request is closed, so the
+        replica aborts it and frees its pages; if the replica breaks off (killed, connection lost),
+        the client gets an OpenAI error event and ``[DONE]``."""
+        response: UpstreamResponse = relay.response
+        # The server answers receive() when the client disconnects (or once the response is over).
+        client_left = asyncio.ensure_future(request.receive())
+        client_left.add_done_callback(lambda _: response.close())
+        broken: str | None = None
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, *headers]})
+            async with aclosing(aiter(relay)) as events:
+                try:
+                    async for events_read in events:
+                        await send({"type": "http.response.body", "body": events_read, "more_body": True})
+                except UpstreamError as error:
+                    broken = str(error)
+            if client_left.done():
+                return
+            if broken is None and not relay.finished:
+                broken = "the stream ended without [DONE]"
+            if broken is None:
+                self.replica_health.succeeded(replica.replica_id)
+            else:
+                self.replica_health.failed(replica.replica_id, replica.url, broken)
+                log.warning("stream from replica %s broke off: %s", replica.replica_id, broken)
+                error = APIError(
+                    f"Replica {replica.replica_id} failed mid-stream ({broken}); the response is incomplete.",
+                    502,
+                    code="upstream_failed",
+                )
+                event = b"data: " + json.dumps(error.to_dict()).encode() + b"\n\ndata: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+        except OSError:
+            pass  # the client left (servers of ASGI spec 2.4 and later say so on send)
+        finally:
+            client_left.cancel()
+            response.close()
+            self.router.done(ticket)
+            metrics = self.metrics.model(model)
+            if relay.first_event_at is not None:
+                metrics.ttft.observe(relay.first_event_at - started)
+            metrics.e2e.observe(time.monotonic() - started)
+            self._count_cached(model, replica.replica_id, predicted, relay.usage)
 
     def _commit(self, route: RoutePlan, replica: ReplicaInfo, prompt_tokens: int) -> int:
         """Marks the prompt's blocks as predicted on ``replica`` and counts it in flight there."""
@@ -259,46 +350,28 @@ class _GatewayAPI:
             if (info := by_url.get(url)) is not None:
                 self.replica_health.failed(info.replica_id, url, why)
 
-    async def _relay(
-        self, relay: SSERelay, ticket: int, model: str, started: float, replica: ReplicaInfo
-    ) -> AsyncIterator[bytes]:
-        """The replica's events; however the stream ends (the client may leave), the upstream
-        request is closed, so the replica aborts it and frees its pages. If the replica breaks
-        off (killed, connection lost), the client gets an OpenAI error event and ``[DONE]``."""
-        broken: str | None = None
-        finished = False
-        try:
-            async with aclosing(aiter(relay)) as events:
-                try:
-                    async for event in events:
-                        finished = finished or event.startswith(b"data: [DONE]")
-                        yield event
-                except httpx.HTTPError as error:
-                    broken = f"{type(error).__name__}: {error}"
-            if broken is None and not finished:
-                broken = "the stream ended without [DONE]"
-            if broken is None:
-                self.replica_health.succeeded(replica.replica_id)
-            else:
-                self.replica_health.failed(replica.replica_id, replica.url, broken)
-                log.warning("stream from replica %s broke off: %s", replica.replica_id, broken)
-                error = APIError(
-                    f"Replica {replica.replica_id} failed mid-stream ({broken}); the response is incomplete.",
-                    502,
-                    code="upstream_failed",
-                )
-                yield b"data: " + json.dumps(error.to_dict()).encode() + b"\n\ndata: [DONE]\n\n"
-        finally:
-            self.router.done(ticket)
-            if relay.first_event_at is not None:
-                self.metrics.ttft.labels(model).observe(relay.first_event_at - started)
-            self.metrics.e2e.labels(model).observe(time.monotonic() - started)
-            self._count_cached(model, relay.usage)
+    def _stats(self, replica_id: str) -> ReplicaStats:
+        stats = self.replica_stats.get(replica_id)
+        if stats is None:
+            stats = self.replica_stats[replica_id] = ReplicaStats()
+        return stats
 
-    def _count_cached(self, model: str, usage: dict[str, Any] | None) -> None:
+    def _count_cached(
+        self, model: str, replica_id: str, predicted: int, usage: dict[str, Any] | None
+    ) -> None:
+        """Records the real outcome of a routing decision, when the replica's usage says it."""
         tokens = cached_tokens(usage)
-        if tokens is not None:
-            self.metrics.cached_tokens.labels(model).inc(tokens)
+        if tokens is None or usage is None:
+            return
+        self.metrics.model(model).cached_tokens.inc(tokens)
+        stats = self._stats(replica_id)
+        stats.usage_reports += 1
+        prompt_tokens = usage.get("prompt_tokens")
+        stats.prompt_tokens += prompt_tokens if isinstance(prompt_tokens, int) else 0
+        stats.predicted_cached_tokens += predicted
+        stats.cached_tokens += tokens
+
+    # -- Starlette routes -------------------------------------------------------------------------
 
     async def models(self, request: Request) -> Response:
         names = sorted({r.model for r in self.router.known_replicas()})
@@ -319,8 +392,28 @@ class _GatewayAPI:
         return Response(generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_app(settings: GatewaySettings) -> Starlette:
-    """The gateway app; its lifespan starts the index mirror and closes the upstream pool."""
+class _Dispatch:
+    """Sends the generation endpoints' POSTs to the plain-ASGI path, everything else to Starlette."""
+
+    def __init__(self, api: _GatewayAPI, app: ASGIApp) -> None:
+        self.api = api
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in _GENERATION_PATHS:
+            await self.app(scope, receive, send)
+        elif scope["method"] == "POST":
+            await self.api.serve_generation(scope, receive, send)
+        else:
+            response = APIError("Method Not Allowed", 405).to_response()
+            response.headers["allow"] = "POST"
+            await response(scope, receive, send)
+
+
+def build_app(settings: GatewaySettings) -> ASGIApp:
+    """The gateway app; its lifespan starts the index mirror and closes the upstream pools."""
+    if settings.metrics_key_required and not (settings.api_keys or settings.admin_key):
+        raise ValueError("--metrics-key-required needs --api-key or --admin-key")
     api = _GatewayAPI(settings, CollectorRegistry())
 
     @asynccontextmanager
@@ -333,21 +426,15 @@ def build_app(settings: GatewaySettings) -> Starlette:
         finally:
             await api.replica_health.stop()
             await api.mirror.stop()
+            await api.upstream.aclose()
             await api.http.aclose()
 
-    if settings.metrics_key_required and not (settings.api_keys or settings.admin_key):
-        raise ValueError("--metrics-key-required needs --api-key or --admin-key")
-    auth = Middleware(
-        GatewayAuth,
+    routes = Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: http_error})
+    return GatewayAuth(
+        _Dispatch(api, routes),
         api_keys=settings.api_keys,
         admin_key=settings.admin_key,
         metrics_key_required=settings.metrics_key_required,
-    )
-    return Starlette(
-        routes=api.routes(),
-        middleware=[auth],
-        lifespan=lifespan,
-        exception_handlers={HTTPException: http_error},
     )
 
 
@@ -362,4 +449,4 @@ def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str 
         settings.policy,
         settings.redis_url,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), loop="uvloop", http="httptools")

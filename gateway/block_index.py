@@ -117,6 +117,11 @@ class BlockIndex:
     def has_replica(self, replica_id: str) -> bool:
         return replica_id in self._replicas
 
+    def num_blocks(self, replica_id: str) -> int:
+        """How many blocks the replica is known to hold (0 for an unknown id)."""
+        replica = self._replicas.get(replica_id)
+        return 0 if replica is None else len(replica.blocks)
+
     def replica_blocks(self, replica_id: str) -> frozenset[int]:
         """A copy of the hashes the replica is known to hold (for checks and the admin API)."""
         return frozenset(self._replicas[replica_id].blocks)
@@ -236,16 +241,19 @@ class BlockIndex:
         self, model: str, hashes: Sequence[int], now: float | None = None
     ) -> dict[str, PrefixMatch]:
         """Like ``lookup``, but per replica both the confirmed count and the count that treats
-        unexpired predicted blocks as held. Twice the walk, plus pruning what expired."""
+        unexpired predicted blocks as held. Twice the walk (once while nothing is predicted), plus
+        pruning what expired."""
         self.prune_predictions(now)
         members = self._model_members.get(model)
         if not members:
             return {}
         confirmed = dict.fromkeys(members, 0)
-        combined = dict.fromkeys(members, 0)
         alive = self._model_masks[model]
         masks, pmasks = self._masks, self._predicted_masks
         self._walk(confirmed, len(hashes), alive, lambda i: masks.get(hashes[i], 0))
+        if not pmasks:  # no predictions anywhere: both counts are the same
+            return {rid: PrefixMatch(blocks, blocks) for rid, blocks in confirmed.items()}
+        combined = dict.fromkeys(members, 0)
         self._walk(combined, len(hashes), alive, lambda i: masks.get(hashes[i], 0) | pmasks.get(hashes[i], 0))
         return {rid: PrefixMatch(confirmed[rid], combined[rid]) for rid in members}
 

@@ -9,7 +9,9 @@ replicas known without Redis (``--replica URL``).
   dropped by the index mirror already.
 * **Static replicas**: URLs given on the command line. Each one's model, tokenizer fingerprint and
   block size are discovered from the replica itself (``GET /v1/models``, ``GET /kvroute/tokenizer``)
-  at start and on every probe round; one that does not answer is not listed until it does.
+  at start and on every probe round; one that does not answer is not listed until it does. Its id
+  is ``host:port`` of its URL (:func:`replica_id_for`), the id a replica registers in Redis by
+  default, so a replica known both ways is one replica (for draining too).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ log = logging.getLogger("kvroute.gateway.health")
 
 DEFAULT_EJECT_AFTER = 3
 DEFAULT_PROBE_INTERVAL_S = 1.0
+STATIC_EPOCH = "static"  # the epoch of a static replica's ReplicaInfo (it has no heartbeat)
 
 
 def replica_id_for(url: str) -> str:
@@ -82,6 +85,10 @@ class ReplicaHealth:
     @property
     def ejected(self) -> set[str]:
         return set(self._ejected)
+
+    def static_ids(self) -> dict[str, str]:
+        """Replica id (``host:port``) -> URL of every static replica, answering or not."""
+        return {replica_id_for(url): url for url in self.static_urls}
 
     def static_replicas(self, model: str | None = None) -> list[ReplicaInfo]:
         """The static replicas that answered their last discovery (of ``model``), sorted by id."""
@@ -152,7 +159,7 @@ class ReplicaHealth:
             model=model,
             fingerprint=fingerprint,
             block_size=block_size,
-            epoch="static",
+            epoch=STATIC_EPOCH,
             kv_total_pages=0,
             kv_used_pages=0,
             running=0,

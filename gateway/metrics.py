@@ -1,14 +1,37 @@
-"""The gateway's Prometheus metrics: what it routed where, and how well its predictions held."""
+"""The gateway's Prometheus metrics: what it routed where, and how well its predictions held.
+
+The request path takes its labelled children from :meth:`GatewayMetrics.model` and
+:meth:`GatewayMetrics.requests_for`, built once per label values: ``labels()`` itself validates and
+locks on every call, a cost paid several times per request otherwise.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
+class ModelMetrics:
+    """One model's labelled children."""
+
+    __slots__ = ("cached_tokens", "e2e", "predicted_cached_tokens", "prompt_tokens", "retries", "ttft")
+
+    def __init__(self, metrics: GatewayMetrics, model: str) -> None:
+        self.prompt_tokens = metrics.prompt_tokens.labels(model)
+        self.predicted_cached_tokens = metrics.predicted_cached_tokens.labels(model)
+        self.cached_tokens = metrics.cached_tokens.labels(model)
+        self.retries = metrics.retries.labels(model)
+        self.ttft = metrics.ttft.labels(model)
+        self.e2e = metrics.e2e.labels(model)
+
+
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
+        self._models: dict[str, ModelMetrics] = {}
+        self._requests: dict[tuple[str, str, str, int], Counter] = {}
         self.requests = Counter(
             "kvroute_gateway_requests",
             "Requests by model, replica, policy and HTTP status",
@@ -68,3 +91,32 @@ class GatewayMetrics:
             ["replica"],
             registry=registry,
         )
+
+    def model(self, model: str) -> ModelMetrics:
+        found = self._models.get(model)
+        if found is None:
+            found = self._models[model] = ModelMetrics(self, model)
+        return found
+
+    def requests_for(self, model: str, replica: str, policy: str, status: int) -> Counter:
+        """The ``kvroute_gateway_requests`` child for these labels."""
+        key = (model, replica, policy, status)
+        found = self._requests.get(key)
+        if found is None:
+            found = self._requests[key] = self.requests.labels(model, replica, policy, str(status))
+        return found
+
+
+@dataclass
+class ReplicaStats:
+    """What the gateway learned from the requests it sent one replica (``GET /admin/replicas``).
+
+    The usage figures cover the answers whose usage came back (``usage_reports`` of ``requests``),
+    so predicted and real cached tokens compare like for like.
+    """
+
+    requests: int = 0
+    usage_reports: int = 0
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, what the replica really reused

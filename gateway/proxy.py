@@ -14,10 +14,14 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
+from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest
 
 RETRYABLE_STATUSES = frozenset({503})  # the replica is draining or its engine is down
+JSON_CONTENT = b"application/json"
 _USAGE_EVENT_MARK = b'"choices":[]'  # the replica's compact JSON for the usage-only chunk
+_DONE_EVENT = b"data: [DONE]"
+_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
 class UpstreamUnavailable(Exception):
@@ -33,76 +37,91 @@ class Upstream:
     """A replica's answer whose status and headers have arrived; the body is still to be read."""
 
     url: str
-    response: httpx.Response
+    response: UpstreamResponse
     failures: list[tuple[str, str]] = field(default_factory=list)  # earlier candidates that failed
 
 
 async def open_upstream(
-    client: httpx.AsyncClient,
-    urls: Sequence[str],
-    path: str,
-    body: bytes,
-    headers: dict[str, str],
+    pool: UpstreamPool, urls: Sequence[str], path: str, body: bytes, *, whole: bool = False
 ) -> Upstream:
-    """Sends to each URL in turn until one answers with something other than a retryable status.
+    """POSTs the JSON ``body`` to each URL in turn until one answers with a status that is not
+    retryable (``whole``: returns once the whole answer is in, see :meth:`UpstreamPool.post`).
 
     Only failures before the response headers are retried: after that, bytes may be on their way
     to the client and a second replica would duplicate them.
     """
     failures: list[tuple[str, str]] = []
     for url in urls:
-        request = client.build_request("POST", url + path, content=body, headers=headers)
         try:
-            response = await client.send(request, stream=True)
-        except httpx.TransportError as error:
-            failures.append((url, f"{type(error).__name__}: {error}"))
+            response = await pool.post(url, path, body, JSON_CONTENT, whole=whole)
+        except UpstreamError as error:
+            failures.append((url, str(error)))
             continue
-        if response.status_code in RETRYABLE_STATUSES:
-            await response.aclose()
-            failures.append((url, f"HTTP {response.status_code}"))
+        if response.status in RETRYABLE_STATUSES:
+            response.close()
+            failures.append((url, f"HTTP {response.status}"))
             continue
         return Upstream(url, response, failures)
     raise UpstreamUnavailable(failures)
 
 
-def with_usage_requested(payload: dict[str, Any]) -> tuple[dict[str, Any], bool]:
-    """The request body to forward (streams always ask for usage), and whether the client asked."""
-    if not payload.get("stream"):
-        return payload, True  # non-streaming replies always carry usage
+def forwarded_body(raw: bytes, body: ChatCompletionRequest | CompletionRequest) -> tuple[bytes, bool]:
+    """The request body to forward (a stream always asks for usage), and whether the client asked.
+
+    The client's bytes go through untouched unless usage has to be asked for on its behalf; then,
+    when the body has no ``stream_options`` member (not even ``null``), one is appended to the JSON
+    object as it stands, else the object is re-encoded.
+    """
+    if not body.stream or body.include_usage:
+        return raw, True  # non-streaming replies always carry usage
+    if body.stream_options is None and b'"stream_options"' not in raw:
+        return raw.rstrip()[:-1] + _ASK_USAGE, False  # a non-empty object: it holds "model"
+    payload = json.loads(raw)
     options = payload.get("stream_options") or {}
-    client_asked = bool(options.get("include_usage"))
-    return {**payload, "stream_options": {**options, "include_usage": True}}, client_asked
+    payload["stream_options"] = {**options, "include_usage": True}
+    return json.dumps(payload).encode(), False
 
 
 class SSERelay:
-    """Iterates the replica's SSE body event by event, recording usage and first-byte time.
+    """Iterates the replica's SSE body, whole events at a time (all those one read brought),
+    recording usage, first-event time and whether ``[DONE]`` came.
 
-    Closing the relay (or the client going away, which cancels its consumer) closes the upstream
-    response, and the replica aborts the request when its connection drops.
+    Closing the relay closes the upstream response, and the replica aborts the request when its
+    connection drops.
     """
 
-    def __init__(self, response: httpx.Response, forward_usage: bool) -> None:
+    def __init__(self, response: UpstreamResponse, forward_usage: bool) -> None:
         self.response = response
         self.forward_usage = forward_usage
         self.usage: dict[str, Any] | None = None
         self.first_event_at: float | None = None
+        self.finished = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         buffer = b""
         try:
-            async for data in self.response.aiter_bytes():
+            while data := await self.response.read_chunk():
                 buffer += data
+                if b"\n\n" not in buffer:
+                    continue
                 *events, buffer = buffer.split(b"\n\n")
-                for event in events:
-                    if self.first_event_at is None:
-                        self.first_event_at = time.monotonic()
-                    if _USAGE_EVENT_MARK in event and self._take_usage(event) and not self.forward_usage:
-                        continue
-                    yield event + b"\n\n"
+                if self.first_event_at is None:
+                    self.first_event_at = time.monotonic()
+                out = [event + b"\n\n" for event in events if self._passes(event)]
+                if out:
+                    yield b"".join(out)
             if buffer:
                 yield buffer
         finally:
-            await self.response.aclose()
+            self.response.close()
+
+    def _passes(self, event: bytes) -> bool:
+        """False for the usage-only event the client did not ask for (its usage is kept)."""
+        if event.startswith(_DONE_EVENT):
+            self.finished = True
+        elif _USAGE_EVENT_MARK in event and self._take_usage(event):
+            return self.forward_usage
+        return True
 
     def _take_usage(self, event: bytes) -> bool:
         """Records the usage of a usage-only chunk; False if the event is something else."""

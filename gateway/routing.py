@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from gateway.health import ReplicaHealth
 from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.policies import Candidate, Decision, Policy, RouteRequest
-from kvroute.blocks import block_hashes, model_seed
+from gateway.tokenizers import Prompt
+from kvroute.blocks import model_seed
 from kvroute.errors import APIError
 
 
@@ -23,6 +24,36 @@ class _InFlight:
     replica_id: str
     sent_at: float  # unix time, comparable with heartbeat ``ts``
     uncached_tokens: int
+
+
+class _ReplicaFlights:
+    """One replica's requests in flight from this gateway, with running totals (kept as requests
+    come and go, so routing reads them in O(1)): all of them, and those sent after ``since``, the
+    time of the heartbeat last asked about."""
+
+    __slots__ = ("flights", "pending", "pending_tokens", "since", "tokens")
+
+    def __init__(self) -> None:
+        self.flights: dict[int, _InFlight] = {}
+        self.tokens = 0
+        self.since = 0.0
+        self.pending = 0
+        self.pending_tokens = 0
+
+    def count(self, flight: _InFlight, sign: int) -> None:
+        """Adds (sign 1) or takes away (-1) one flight in the totals."""
+        self.tokens += sign * flight.uncached_tokens
+        if flight.sent_at > self.since:
+            self.pending += sign
+            self.pending_tokens += sign * flight.uncached_tokens
+
+    def since_heartbeat(self, ts: float) -> tuple[int, int]:
+        """Requests sent after the heartbeat stamped ``ts``, and their uncached tokens."""
+        if ts != self.since:
+            self.since = ts
+            later = [flight.uncached_tokens for flight in self.flights.values() if flight.sent_at > ts]
+            self.pending, self.pending_tokens = len(later), sum(later)
+        return self.pending, self.pending_tokens
 
 
 @dataclass
@@ -56,7 +87,9 @@ class Router:
         self.load_policy = load_policy or policy
         self.use_index = use_index
         self.drained: set[str] = set()  # replica ids the admin API took out of rotation
-        self._inflight: dict[int, _InFlight] = {}
+        self._seeds: dict[tuple[str, str], int] = {}  # (model, fingerprint) -> block hash chain root
+        self._flights: dict[str, _ReplicaFlights] = {}
+        self._replica_of: dict[int, str] = {}  # ticket -> replica id
         self._next_ticket = 0
 
     @property
@@ -82,34 +115,40 @@ class Router:
             return None, []
         if self.health is not None:
             replicas = [r for r in replicas if not self.health.is_ejected(r.replica_id)] or replicas
-        fingerprint = Counter(r.fingerprint for r in replicas).most_common(1)[0][0]
-        return fingerprint, replicas
+        fingerprints = {r.fingerprint for r in replicas}
+        if len(fingerprints) == 1:
+            return fingerprints.pop(), replicas
+        return Counter(r.fingerprint for r in replicas).most_common(1)[0][0], replicas
 
     def route(
         self,
         model: str,
         fingerprint: str,
         replicas: Sequence[ReplicaInfo],
-        prompt_ids: Sequence[int],
+        prompt: Prompt,
         session_id: str | None,
         *,
         policy: Policy | None = None,
     ) -> RoutePlan:
         """``policy`` overrides the router's own for this request (an admin's experiment)."""
-        replicas = [info for info in replicas if info.replica_id not in self.drained]
-        if not replicas:
-            raise APIError("Every replica of this model is drained.", 503, code="service_unavailable")
+        if self.drained:
+            replicas = [info for info in replicas if info.replica_id not in self.drained]
+            if not replicas:
+                raise APIError("Every replica of this model is drained.", 503, code="service_unavailable")
         block_size = replicas[0].block_size
-        hashes = block_hashes(prompt_ids, block_size, model_seed(model, fingerprint))
+        seed = self._seeds.get((model, fingerprint))
+        if seed is None:
+            seed = self._seeds[(model, fingerprint)] = model_seed(model, fingerprint)
+        hashes = prompt.block_hashes(block_size, seed)
         if self.degraded:
-            return self._route_by_own_load(model, replicas, prompt_ids, block_size, hashes, session_id)
+            return self._route_by_own_load(model, replicas, len(prompt), block_size, hashes, session_id)
         matches = self.mirror.lookup_with_predictions(model, hashes)
-        pending = self._pending_since_heartbeat(replicas)
         candidates = []
         for info in replicas:
             match = matches.get(info.replica_id)
             comparable = info.fingerprint == fingerprint and info.block_size == block_size
-            count, tokens = pending.get(info.replica_id, (0, 0))
+            flights = self._flights.get(info.replica_id)
+            count, tokens = (0, 0) if flights is None else flights.since_heartbeat(info.ts)
             candidates.append(
                 Candidate(
                     replica_id=info.replica_id,
@@ -123,26 +162,23 @@ class Router:
                     cache_comparable=comparable,
                 )
             )
-        request = RouteRequest(model, len(prompt_ids), block_size, session_id)
+        request = RouteRequest(model, len(prompt), block_size, session_id)
         return self._ordered(policy or self.policy, request, candidates, replicas, hashes)
 
     def _route_by_own_load(
         self,
         model: str,
         replicas: Sequence[ReplicaInfo],
-        prompt_ids: Sequence[int],
+        prompt_tokens: int,
         block_size: int,
         hashes: list[int],
         session_id: str | None,
     ) -> RoutePlan:
         """Load-only routing from this gateway's in-flight requests (no cache, no heartbeat load)."""
-        own: dict[str, tuple[int, int]] = {}
-        for flight in self._inflight.values():
-            count, tokens = own.get(flight.replica_id, (0, 0))
-            own[flight.replica_id] = (count + 1, tokens + flight.uncached_tokens)
         candidates = []
         for info in replicas:
-            count, tokens = own.get(info.replica_id, (0, 0))
+            flights = self._flights.get(info.replica_id)
+            count, tokens = (0, 0) if flights is None else (len(flights.flights), flights.tokens)
             candidates.append(
                 Candidate(
                     replica_id=info.replica_id,
@@ -156,7 +192,7 @@ class Router:
                     cache_comparable=False,
                 )
             )
-        request = RouteRequest(model, len(prompt_ids), block_size, session_id)
+        request = RouteRequest(model, prompt_tokens, block_size, session_id)
         return self._ordered(self.load_policy, request, candidates, replicas, hashes)
 
     @staticmethod
@@ -179,22 +215,25 @@ class Router:
     def sent(self, replica_id: str, uncached_tokens: int) -> int:
         """Records a request in flight to ``replica_id``; returns the ticket to pass to ``done``."""
         self._next_ticket += 1
-        self._inflight[self._next_ticket] = _InFlight(replica_id, time.time(), uncached_tokens)
-        return self._next_ticket
+        ticket = self._next_ticket
+        flight = _InFlight(replica_id, time.time(), uncached_tokens)
+        flights = self._flights.get(replica_id)
+        if flights is None:
+            flights = self._flights[replica_id] = _ReplicaFlights()
+        flights.flights[ticket] = flight
+        flights.count(flight, 1)
+        self._replica_of[ticket] = replica_id
+        return ticket
 
     def done(self, ticket: int) -> None:
-        self._inflight.pop(ticket, None)
+        replica_id = self._replica_of.pop(ticket, None)
+        if replica_id is None:
+            return
+        flights = self._flights[replica_id]
+        flights.count(flights.flights.pop(ticket), -1)
+        if not flights.flights:
+            del self._flights[replica_id]
 
     def inflight(self, replica_id: str) -> int:
-        return sum(1 for f in self._inflight.values() if f.replica_id == replica_id)
-
-    def _pending_since_heartbeat(self, replicas: Sequence[ReplicaInfo]) -> dict[str, tuple[int, int]]:
-        """Per replica: requests (and their uncached tokens) sent after its last heartbeat."""
-        heartbeat = {info.replica_id: info.ts for info in replicas}
-        pending: dict[str, tuple[int, int]] = {}
-        for flight in self._inflight.values():
-            ts = heartbeat.get(flight.replica_id)
-            if ts is not None and flight.sent_at > ts:
-                count, tokens = pending.get(flight.replica_id, (0, 0))
-                pending[flight.replica_id] = (count + 1, tokens + flight.uncached_tokens)
-        return pending
+        flights = self._flights.get(replica_id)
+        return 0 if flights is None else len(flights.flights)

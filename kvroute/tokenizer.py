@@ -113,6 +113,20 @@ def _uses_byte_level(component: Any) -> bool:
     return any(_uses_byte_level(step) for step in component.get("decoders") or ())
 
 
+def _boundary_tokens(added: Mapping[int, AddedToken], split_special: bool) -> dict[str, int]:
+    """Content -> id of the added tokens the tokenizer cuts raw text at before normalizing it.
+
+    Left out, because their context decides whether or how they match: tokens matched in the
+    normalized text, tokens that strip whitespace on their left or match whole words only, and
+    special tokens when ``split_special_tokens`` makes them plain text.
+    """
+    return {
+        token.content: token_id
+        for token_id, token in added.items()
+        if not (token.normalized or token.lstrip or token.single_word or (token.special and split_special))
+    }
+
+
 class StreamDecoder:
     """Incremental detokenizer for one generated sequence.
 
@@ -137,7 +151,9 @@ class TextTokenizer:
 
     ``vocab_size`` counts added tokens (HF's ``len(tokenizer)``); ``all_special_ids`` are the added
     tokens flagged special, i.e. what ``skip_special_tokens`` drops; ``special_tokens`` maps names
-    (``eos_token``, ...) to the strings the chat template sees.
+    (``eos_token``, ...) to the strings the chat template sees; ``boundary_tokens`` (content -> id)
+    are the added tokens the text is cut at before anything else runs (see
+    :meth:`encode_with_boundaries`).
     """
 
     def __init__(
@@ -163,6 +179,12 @@ class TextTokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._added_contents = {token_id: token.content for token_id, token in added.items()}
         self.all_special_ids = sorted(token_id for token_id, token in added.items() if token.special)
+        self.boundary_tokens = _boundary_tokens(added, split_special=self._tok.encode_special_tokens)
+        self._boundary_pattern = (
+            re.compile("|".join(map(re.escape, sorted(self.boundary_tokens, key=len, reverse=True))))
+            if self.boundary_tokens
+            else None
+        )
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         decoder = self._tok.decoder
         self._byte_level = decoder is not None and _uses_byte_level(json.loads(decoder.__getstate__()))
@@ -227,6 +249,48 @@ class TextTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, as HF's ``tokenizer.encode``."""
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def boundaries(self, text: str) -> list[tuple[int, int]]:
+        """Where a boundary token's text occurs in ``text``: ``(char offset, token id)``, in order.
+
+        Candidates: :meth:`encode_with_boundaries` tells at which of them the tokenizer really cut.
+        """
+        if self._boundary_pattern is None:
+            return []
+        tokens = self.boundary_tokens
+        return [(match.start(), tokens[match.group()]) for match in self._boundary_pattern.finditer(text)]
+
+    def encode_with_boundaries(
+        self, text: str, candidates: Sequence[tuple[int, int]]
+    ) -> tuple[list[int], list[int]]:
+        """The ids of ``text`` without special tokens added (as :meth:`encode_chat` encodes its
+        rendering) and, for each of :meth:`boundaries`' ``candidates``, the index of the boundary
+        token starting at its offset, or -1 where the tokenizer did not cut there.
+
+        The tokenizer cuts text at boundary tokens first and encodes the pieces between them
+        independently, so the ids before such an index are the ids of any text that has the same
+        characters up to that offset followed by the same token, whatever comes after it: one chat
+        turn's ids serve the next turn, whose rendering repeats the history (``gateway.tokenizers``).
+        """
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        ids = encoding.ids
+        indices: list[int] = []
+        position = 0  # tokens before it are matched to earlier candidates
+        for offset, token_id in candidates:
+            index, search = -1, position
+            while True:
+                try:
+                    found = ids.index(token_id, search)
+                except ValueError:
+                    break
+                start = encoding.token_to_chars(found)[0]
+                if start >= offset:
+                    if start == offset:
+                        index, position = found, found + 1
+                    break
+                search = found + 1
+            indices.append(index)
+        return ids, indices
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids``, as HF's ``tokenizer.decode``."""

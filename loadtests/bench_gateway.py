@@ -11,16 +11,26 @@ Measured, for non-streaming and streaming (``stream: true``, timed to the last b
 
 1. **Added latency** at concurrency 1: direct and gateway requests strictly alternated, so drift
    hits both; p50/p99 of each side, and gateway minus direct.
-2. **Gateway CPU per request**: utime+stime of the gateway process (``/proc/PID/stat``) around a
+2. **Proxy CPU per request**: utime+stime of the gateway process (``/proc/PID/stat``) around a
    batch of gateway requests, divided by its size (sequential batch, and the concurrent one).
-3. **Requests/s at concurrency 32** (one ``httpx.AsyncClient``, 32 workers), direct and gateway
-   phases alternated over several rounds; with the CPU share (% of one core) of the gateway, the
-   replica and this load generator during the gateway phases, since all share the machine's cores
-   and the replica (a real engine) or the client may be the bottleneck rather than the gateway.
-   ``1e6 / CPU µs per request`` is the gateway's CPU-bound ceiling per process.
+3. **Requests/s at concurrency 32** (one ``httpx.AsyncClient``, 32 workers), the sides' phases
+   alternated over several rounds; with the CPU share (% of one core) of the side's proxy, the
+   replica and this load generator during each phase, since all share the machine's cores and the
+   replica (a real engine) or the client may be the bottleneck rather than the gateway.
+   ``1e6 / CPU µs per request`` is a proxy's CPU-bound ceiling per process.
 
 If ``sglang_router`` is importable it is measured the same way as a reference (a Rust router in
-front of the same replica); otherwise its column says "not installed".
+front of the same replica, its CPU too); otherwise its column says "not installed".
+
+4. **Tokenizing a multi-turn chat**, in this process with the gateway's own tokenizer registry and
+   the test model's tokenizer (SmolLM2's template and pre-tokenizer): µs to get the ids of turn 10
+   of a ~4,000-token chat from scratch (render + encode, what a replica does), with turn 9 already
+   cached (what the gateway does on a chat's next turn: only the new turn is tokenized), and for a
+   verbatim repeat.
+5. **The upstream HTTP client alone**: CPU µs per request of the client the gateway proxies with
+   (``gateway.upstream``) and of httpx, the client it replaced there, each POSTing the 2,000-character
+   chat to an instant HTTP server (canned answer, its own thread and event loop) on uvloop, at
+   concurrency 1 and 32, non-streaming and streaming; CPU is this thread's alone.
 
 Full run (a couple of minutes; run it on a quiet machine)::
 
@@ -42,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -49,20 +60,26 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import uvloop
 
+from gateway.tokenizers import TokenizerRegistry
+from gateway.upstream import UpstreamPool
 from kvroute.local_redis import RedisServer, free_port
+from kvroute.tokenizer import TextTokenizer
 from loadtests.report import add_size_options, chosen_sizes, cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
 
 BENCH = "bench_gateway"
 
 # Sizes of a full run and of a --quick smoke run; explicit options override either.
-FULL = {"sequential": 400, "concurrent": 600, "rounds": 3, "warmup": 50}
-QUICK = {"sequential": 20, "concurrent": 64, "rounds": 1, "warmup": 5}
+FULL = {"sequential": 400, "concurrent": 600, "rounds": 3, "warmup": 50, "tokenize": 200, "client": 3000}
+QUICK = {"sequential": 20, "concurrent": 64, "rounds": 1, "warmup": 5, "tokenize": 10, "client": 100}
 
 CONCURRENCY = 32
 CHAT_CHARS = 2000
 SYSTEM_CHARS = 400
+TOKENIZE_TOKENS = 4000  # the multi-turn chat of the tokenization measurement
+TOKENIZE_TURNS = 10
 MODES = ("non_streaming", "streaming")
 SIDES = ("direct", "gateway", "sglang_router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -96,6 +113,8 @@ class Settings:
     concurrent: int  # requests per side per mode per round at concurrency 32
     rounds: int
     warmup: int
+    tokenize: int  # turn-10 variants timed per tokenization mode
+    client: int  # requests per upstream client, concurrency and mode
     out: str
 
 
@@ -290,36 +309,38 @@ def measure_mode(s: Settings, services: dict[str, Service], model: str, stream: 
     body = chat_body(model, stream)
     sides = [name for name in SIDES if name in services]
     urls = {name: f"{services[name].url}/v1/chat/completions" for name in sides}
-    gateway = services["gateway"]
+    proxies = sides[1:]  # the gateway, and sglang-router when installed
     mode = "streaming" if stream else "non-streaming"
 
-    # 1. concurrency 1, sides strictly alternated; the gateway's CPU is read around the whole loop
-    # (direct requests leave it idle but for its background tasks, counted against it).
+    # 1. concurrency 1, sides strictly alternated; each proxy's CPU is read around the whole loop
+    # (other sides' requests leave it idle but for its background tasks, counted against it).
     progress(f"{mode}: {s.sequential} sequential requests per side, alternated")
     latencies: dict[str, list[float]] = {name: [] for name in sides}
     with httpx.Client(timeout=60) as client:
         for _ in range(s.warmup):
             for name in sides:
                 send_sync(client, urls[name], body, stream)
-        cpu_before = gateway.cpu_seconds()
+        cpu_before = {name: services[name].cpu_seconds() for name in proxies}
         for i in range(s.sequential):
             order = sides if i % 2 == 0 else sides[::-1]
             for name in order:
                 latencies[name].append(send_sync(client, urls[name], body, stream))
-        gateway_cpu_sequential = gateway.cpu_seconds() - cpu_before
+        cpu_sequential = {name: services[name].cpu_seconds() - cpu_before[name] for name in proxies}
 
     # 2. concurrency 32, one phase per side per round, sides alternated across rounds.
     progress(f"{mode}: {s.rounds} round(s) of {s.concurrent} requests per side at concurrency {CONCURRENCY}")
     walls: dict[str, float] = dict.fromkeys(sides, 0.0)
-    cpu: dict[str, dict[str, float]] = {
-        name: {"gateway": 0.0, "replica": 0.0, "client": 0.0} for name in sides
-    }
+    cpu: dict[str, dict[str, float]] = {name: {"proxy": 0.0, "replica": 0.0, "client": 0.0} for name in sides}
+
+    def cpu_now(name: str) -> tuple[float, float, float]:
+        proxy = services[name].cpu_seconds() if name in proxies else 0.0
+        return proxy, services["direct"].cpu_seconds(), self_cpu_seconds()
+
     for r in range(s.rounds):
         for name in sides if r % 2 == 0 else sides[::-1]:
-            before = (gateway.cpu_seconds(), services["direct"].cpu_seconds(), self_cpu_seconds())
+            before = cpu_now(name)
             walls[name] += asyncio.run(run_concurrent(urls[name], body, s.concurrent))
-            after = (gateway.cpu_seconds(), services["direct"].cpu_seconds(), self_cpu_seconds())
-            for key, b, a in zip(("gateway", "replica", "client"), before, after, strict=True):
+            for key, b, a in zip(("proxy", "replica", "client"), before, cpu_now(name), strict=True):
                 cpu[name][key] += a - b
     total = s.rounds * s.concurrent
 
@@ -333,12 +354,63 @@ def measure_mode(s: Settings, services: dict[str, Service], model: str, stream: 
     for name in sides[1:]:
         added = {q: result["latency_ms"][name][q] - result["latency_ms"]["direct"][q] for q in ("p50", "p99")}
         result.setdefault("added_ms", {})[name] = added
-    result["gateway_cpu_us_per_request"] = {
-        "sequential": 1e6 * gateway_cpu_sequential / s.sequential,
-        "concurrent": 1e6 * cpu["gateway"]["gateway"] / total,
+    result["cpu_us_per_request"] = {
+        name: {
+            "sequential": 1e6 * cpu_sequential[name] / s.sequential,
+            "concurrent": 1e6 * cpu[name]["proxy"] / total,
+        }
+        for name in proxies
     }
-    result["gateway_cpu_bound_req_s"] = 1e6 / max(result["gateway_cpu_us_per_request"]["concurrent"], 1e-9)
+    result["cpu_bound_req_s"] = {
+        name: 1e6 / max(result["cpu_us_per_request"][name]["concurrent"], 1e-9) for name in proxies
+    }
     return result
+
+
+def multi_turn_chat(tokenizer: TextTokenizer, tokens: int, turns: int) -> list[dict[str, str]]:
+    """A chat of ``turns`` user turns (assistant answers between them) of about ``tokens`` tokens."""
+    chars = 40
+    while True:
+        messages = [{"role": "system", "content": filler(chars, 0)}]
+        for turn in range(turns):
+            messages.append({"role": "user", "content": f"{filler(chars, 2 * turn + 1)} ({turn * 1234})?"})
+            messages.append({"role": "assistant", "content": filler(chars, 2 * turn + 2)})
+        messages.pop()
+        if len(tokenizer.encode_chat(messages)) >= tokens:
+            return messages
+        chars = chars * 5 // 4
+
+
+def measure_tokenization(model_dir: Path, repeats: int) -> dict[str, Any]:
+    """µs per request to get the ids of turn 10 of a ~4,000-token chat three ways (module docstring).
+
+    Each timed request asks for another last user message, so none is a verbatim repeat of a
+    cached one but in the third mode."""
+    tokenizer = TextTokenizer.from_dir(model_dir)
+    messages = multi_turn_chat(tokenizer, TOKENIZE_TOKENS, TOKENIZE_TURNS)
+    last = messages[-1]["content"]
+    variants = [[*messages[:-1], {"role": "user", "content": f"{last} #{i}"}] for i in range(repeats)]
+
+    async def registry_us(warm: list[dict[str, str]], timed: list[list[dict[str, str]]]) -> float:
+        async with httpx.AsyncClient() as http:
+            registry = TokenizerRegistry(http)
+            await registry.encode_chat(tokenizer, warm, None, {})
+            start = time.perf_counter()
+            for chat in timed:
+                await registry.encode_chat(tokenizer, chat, None, {})
+            return 1e6 * (time.perf_counter() - start) / len(timed)
+
+    start = time.perf_counter()
+    for chat in variants:
+        tokenizer.encode_chat(chat)
+    scratch = 1e6 * (time.perf_counter() - start) / repeats
+    return {
+        "prompt_tokens": len(tokenizer.encode_chat(variants[0])),
+        "turns": TOKENIZE_TURNS,
+        "from_scratch_us": scratch,
+        "previous_turn_cached_us": asyncio.run(registry_us(messages[:-2], variants)),
+        "verbatim_repeat_us": asyncio.run(registry_us(variants[0], [variants[0]] * repeats)),
+    }
 
 
 def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -347,7 +419,7 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
         r = results[mode]
         for name, value, limit, at_least in (
             ("added_p50_ms", r["added_ms"]["gateway"]["p50"], ADDED_P50_MS_TARGET, False),
-            ("cpu_us_per_request", r["gateway_cpu_us_per_request"]["concurrent"], CPU_US_TARGET, False),
+            ("cpu_us_per_request", r["cpu_us_per_request"]["gateway"]["concurrent"], CPU_US_TARGET, False),
             ("req_s", r["req_s"]["gateway"], REQ_S_TARGET, True),
         ):
             passed = value >= limit if at_least else value <= limit
@@ -356,6 +428,125 @@ def checks(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 # -- report --------------------------------------------------------------------------------------
+
+
+_INSTANT_JSON = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"Hi"}}],"usage":{}}'
+_INSTANT_ANSWERS = {
+    False: b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+    % (len(_INSTANT_JSON), _INSTANT_JSON),
+    True: b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+    + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in (b"data: {}\n\n",) * 3 + (b"data: [DONE]\n\n",))
+    + b"0\r\n\r\n",
+}
+
+
+class InstantServer:
+    """A loopback HTTP server answering every POST at once with a canned answer (streamed when the
+    body says ``"stream": true``), on its own thread and event loop."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self._loop = uvloop.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._listen(), self._loop).result(10)
+
+    async def _listen(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0])
+                body = await reader.readexactly(length)
+                writer.write(_INSTANT_ANSWERS[b'"stream": true' in body])
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+
+async def client_cpu_us(kind: str, url: str, body: bytes, concurrency: int, requests: int) -> float:
+    """This thread's CPU µs per request for ``requests`` POSTs by ``concurrency`` workers."""
+    if kind == "httpx":
+        limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+        client = httpx.AsyncClient(limits=limits)
+
+        async def one() -> None:
+            request = client.build_request("POST", url, content=body, headers=HEADERS)
+            response = await client.send(request, stream=True)
+            await response.aread()
+            await response.aclose()
+
+    else:
+        pool = UpstreamPool()
+
+        async def one() -> None:
+            response = await pool.post(url, "/v1/chat/completions", body, b"application/json")
+            await response.read()
+
+    remaining = requests
+
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await one()
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))  # connections open
+    start = time.thread_time()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    used = time.thread_time() - start
+    await (client.aclose() if kind == "httpx" else pool.aclose())
+    return 1e6 * used / requests
+
+
+def measure_upstream_clients(requests: int) -> dict[str, dict[str, float]]:
+    server = InstantServer()
+    url = f"http://127.0.0.1:{server.port}"
+    out: dict[str, dict[str, float]] = {}
+    try:
+        for kind in ("httpx", "gateway.upstream"):
+            for mode in MODES:
+                body = chat_body("m", stream=mode == "streaming")
+                for concurrency in (1, CONCURRENCY):
+                    target = url + "/v1/chat/completions" if kind == "httpx" else url
+                    cpu = uvloop.run(client_cpu_us(kind, target, body, concurrency, requests))
+                    out.setdefault(kind, {})[f"{mode}.c{concurrency}"] = cpu
+    finally:
+        server.stop()
+    return out
+
+
+def clients_table(clients: dict[str, dict[str, float]]) -> str:
+    columns = [f"{mode}.c{c}" for mode in MODES for c in (1, CONCURRENCY)]
+    lines = [
+        "| upstream client, CPU µs per request | "
+        + " | ".join(f"{m.replace('_', '-')}, concurrency {c}" for m in MODES for c in (1, CONCURRENCY))
+        + " |",
+        "|---" * (len(columns) + 1) + "|",
+    ]
+    for kind, row in clients.items():
+        lines.append(f"| {kind} | " + " | ".join(f"{row[column]:,.0f}" for column in columns) + " |")
+    return "\n".join(lines)
+
+
+def tokenization_table(t: dict[str, Any]) -> str:
+    return "\n".join(
+        [
+            f"| tokenizing turn {t['turns']} of a {t['turns']}-turn chat, {t['prompt_tokens']:,} tokens "
+            "| µs per request |",
+            "|---|---|",
+            f"| from scratch (render + encode, as a replica does) | {t['from_scratch_us']:,.0f} |",
+            f"| gateway, turn {t['turns'] - 1} cached (only the new turn encoded) "
+            f"| {t['previous_turn_cached_us']:,.0f} |",
+            f"| gateway, verbatim repeat | {t['verbatim_repeat_us']:,.0f} |",
+        ]
+    )
 
 
 def markdown_table(results: dict[str, Any], outcome: dict[str, bool], router: bool) -> str:
@@ -394,28 +585,19 @@ def markdown_table(results: dict[str, Any], outcome: dict[str, bool], router: bo
                 target,
                 "added_p50_ms" if q == "p50" else "",
             )
-        row(
-            f"gateway CPU per request, concurrency {CONCURRENCY} (µs)",
-            mode,
-            {
-                "direct": None,
-                "gateway": lambda r: r["gateway_cpu_us_per_request"]["concurrent"],
-                "sglang_router": None,
-            },
-            ".0f",
-            f"≤ {CPU_US_TARGET:.0f} µs",
-            "cpu_us_per_request",
-        )
-        row(
-            "gateway CPU per request, concurrency 1 (µs)",
-            mode,
-            {
-                "direct": None,
-                "gateway": lambda r: r["gateway_cpu_us_per_request"]["sequential"],
-                "sglang_router": None,
-            },
-            ".0f",
-        )
+        for phase, label in (("concurrent", f"concurrency {CONCURRENCY}"), ("sequential", "concurrency 1")):
+            row(
+                f"proxy CPU per request, {label} (µs)",
+                mode,
+                {"direct": None}
+                | {
+                    side: (lambda r, side=side, phase=phase: r["cpu_us_per_request"][side][phase])
+                    for side in SIDES[1:]
+                },
+                ".0f",
+                f"≤ {CPU_US_TARGET:.0f} µs" if phase == "concurrent" else "",
+                "cpu_us_per_request" if phase == "concurrent" else "",
+            )
         row(
             f"requests/s, concurrency {CONCURRENCY}, one process",
             mode,
@@ -425,12 +607,13 @@ def markdown_table(results: dict[str, Any], outcome: dict[str, bool], router: bo
             "req_s",
         )
         row(
-            "gateway CPU-bound ceiling, 1e6 / CPU µs (req/s)",
+            "proxy CPU-bound ceiling, 1e6 / CPU µs (req/s)",
             mode,
-            {"direct": None, "gateway": lambda r: r["gateway_cpu_bound_req_s"], "sglang_router": None},
+            {"direct": None}
+            | {side: (lambda r, side=side: r["cpu_bound_req_s"][side]) for side in SIDES[1:]},
             ",.0f",
         )
-        for who in ("gateway", "replica", "client"):
+        for who in ("proxy", "replica", "client"):
             row(
                 f"{who} CPU share during the concurrency-{CONCURRENCY} phase (% of one core)",
                 mode,
@@ -447,6 +630,8 @@ def machine_info(load: float) -> dict[str, Any]:
         "python": platform.python_version(),
         "httpx": package_version("httpx"),
         "uvicorn": package_version("uvicorn"),
+        "uvloop": package_version("uvloop"),
+        "httptools": package_version("httptools"),
         "sglang_router": package_version("sglang-router"),
         "load_average_at_start": load,
     }
@@ -457,7 +642,8 @@ def preamble(report: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"Machine: {m['cpu']}, {m['cores']} cores, shared by the load generator, the gateway, the "
-            f"replica and redis-server; Python {m['python']}, httpx {m['httpx']}, uvicorn {m['uvicorn']}; "
+            f"replica and redis-server; Python {m['python']}, httpx {m['httpx']}, uvicorn {m['uvicorn']} "
+            f"(uvloop {m['uvloop']}, httptools {m['httptools']}); "
             f"sglang-router {m['sglang_router']}.",
             "Replica: tiny random llama test model, float32, `max_tokens=1`: the smallest possible "
             f"engine response. Request: the same {CHAT_CHARS:,}-character chat (system + user) every "
@@ -468,7 +654,7 @@ def preamble(report: dict[str, Any]) -> str:
             f"{s['rounds']} round(s) of {s['concurrent']} requests per side, sides alternated; one "
             "httpx.AsyncClient. Streaming is timed to the last byte. CPU from /proc/PID/stat "
             "utime+stime. A replica or client CPU share near 100% means they, not the gateway, "
-            "capped requests/s; the CPU-bound ceiling is what one gateway process could carry.",
+            "capped requests/s; the CPU-bound ceiling is what one proxy process could carry.",
             f"Command: `{report['command']}`",
         ]
     )
@@ -515,16 +701,27 @@ def main(argv: list[str] | None = None) -> int:
             for service in reversed(services.values()):
                 service.kill()
             redis.stop()
+        progress(f"tokenizing a {TOKENIZE_TURNS}-turn chat, {s.tokenize} requests per mode")
+        tokenization = measure_tokenization(model_dir, s.tokenize)
+    progress(f"upstream clients against an instant server, {s.client} requests per case")
+    clients = measure_upstream_clients(s.client)
     report: dict[str, Any] = {
         "command": shlex.join(["python", "-m", "loadtests.bench_gateway", *argv]),
         "machine": machine_info(load),
         "settings": asdict(s) | {"concurrency": CONCURRENCY, "chat_chars": CHAT_CHARS},
         "sglang_router": "sglang_router" in services,
         "results": results,
+        "tokenization": tokenization,
+        "upstream_clients": clients,
         "checks": checks(results),
     }
     outcome = {c["check"]: c["passed"] for c in report["checks"]}
-    report["table"] = preamble(report) + "\n\n" + markdown_table(results, outcome, report["sglang_router"])
+    tables = [
+        markdown_table(results, outcome, report["sglang_router"]),
+        tokenization_table(tokenization),
+        clients_table(clients),
+    ]
+    report["table"] = preamble(report) + "\n\n" + "\n\n".join(tables)
     publish("bench_gateway", report, s.out)
     return 0
 

@@ -17,8 +17,8 @@ MODE_KEYS = {
     "added_ms",
     "req_s",
     "cpu_share_pct",
-    "gateway_cpu_us_per_request",
-    "gateway_cpu_bound_req_s",
+    "cpu_us_per_request",
+    "cpu_bound_req_s",
 }
 CHECKS = {
     f"{mode}.{name}"
@@ -47,11 +47,23 @@ def test_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
         assert all(a.keys() == {"p50", "p99"} for a in r["added_ms"].values())
         assert r["req_s"].keys() == sides and min(r["req_s"].values()) > 0
         assert r["cpu_share_pct"].keys() == sides
-        assert all(c.keys() == {"gateway", "replica", "client"} for c in r["cpu_share_pct"].values())
-        assert r["gateway_cpu_us_per_request"].keys() == {"sequential", "concurrent"}
-        assert r["gateway_cpu_us_per_request"]["concurrent"] > 0  # the gateway did work under load
-        assert r["gateway_cpu_bound_req_s"] > 0
+        assert all(c.keys() == {"proxy", "replica", "client"} for c in r["cpu_share_pct"].values())
+        assert r["cpu_share_pct"]["direct"]["proxy"] == 0
+        assert r["cpu_us_per_request"].keys() == r["cpu_bound_req_s"].keys() == sides - {"direct"}
+        for cpu in r["cpu_us_per_request"].values():
+            assert cpu.keys() == {"sequential", "concurrent"} and cpu["concurrent"] > 0  # work under load
+        assert min(r["cpu_bound_req_s"].values()) > 0
     assert {c["check"] for c in report["checks"]} == CHECKS
+    tokenization = report["tokenization"]
+    assert tokenization["turns"] == bench_gateway.TOKENIZE_TURNS
+    assert tokenization["prompt_tokens"] >= bench_gateway.TOKENIZE_TOKENS
+    # reusing the previous turn's ids must beat tokenizing from scratch by far
+    assert tokenization["verbatim_repeat_us"] < tokenization["previous_turn_cached_us"]
+    assert 3 * tokenization["previous_turn_cached_us"] < tokenization["from_scratch_us"]
+    clients = report["upstream_clients"]
+    cases = {f"{mode}.c{c}" for mode in bench_gateway.MODES for c in (1, bench_gateway.CONCURRENCY)}
+    assert clients.keys() == {"httpx", "gateway.upstream"}
+    assert all(row.keys() == cases and min(row.values()) > 0 for row in clients.values())
     assert all(isinstance(c["passed"], bool) for c in report["checks"])
 
     table = capsys.readouterr().out

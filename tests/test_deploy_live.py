@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
@@ -146,7 +147,8 @@ def scrape(stack: StackProcesses) -> Scrape:
         texts.append(response.text)
     metrics = Scrape(*texts)
     # A family without samples shows no label names; take those from the gateway's definitions.
-    for metric in vars(GatewayMetrics(CollectorRegistry())).values():
+    definitions = vars(GatewayMetrics(CollectorRegistry())).values()
+    for metric in (m for m in definitions if isinstance(m, MetricWrapperBase)):
         for suffix in _SUFFIXES[metric._type]:
             if metric._name + suffix in metrics.exported - metrics.sampled:
                 metrics.labels[metric._name + suffix] = set(metric._labelnames)

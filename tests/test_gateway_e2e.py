@@ -3,11 +3,13 @@ processes, driven by the official ``openai`` client with only ``base_url`` and `
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from openai import OpenAI
@@ -122,3 +124,45 @@ def test_concurrent_new_conversations_spread_and_then_stick(stack: Stack) -> Non
         again, second = chat(stack, messages)
         assert again == replica
         assert second.usage is not None and second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def _metric(replica: ReplicaProcess, name: str) -> float:
+    """The sum of a replica metric's samples (all labels)."""
+    text = httpx.get(f"{replica.url}/metrics", timeout=10).text
+    return sum(
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))
+    )
+
+
+def test_a_client_leaving_mid_stream_aborts_the_replica_request(stack: Stack) -> None:
+    body = {
+        "model": stack.model,
+        "messages": [{"role": "user", "content": "Talk for a long while."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    generated = {r.port: _metric(r, "vllm:generation_tokens_total") for r in stack.replicas}
+    with httpx.stream("POST", f"{stack.gateway.url}/v1/chat/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200
+        served_by = response.headers["x-kvroute-replica"]
+        replica = next(r for r in stack.replicas if f"127.0.0.1:{r.port}" == served_by)
+        assert next(line for line in response.iter_lines() if line.startswith("data: {"))
+    deadline = time.monotonic() + 20
+    while _metric(replica, "vllm:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the replica kept generating after the client left"
+        time.sleep(0.05)
+    assert _metric(replica, "vllm:generation_tokens_total") - generated[replica.port] < 1000
+
+
+def test_bad_bodies_are_refused_before_any_replica(stack: Stack) -> None:
+    url = f"{stack.gateway.url}/v1/chat/completions"
+    broken = httpx.post(url, content=b'{"model": ', headers={"content-type": "application/json"}, timeout=10)
+    assert broken.status_code == 400 and broken.json()["error"]["type"] == "invalid_request_error"
+    huge = httpx.post(url, content=b"x" * (9 * 1024 * 1024), timeout=30)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "request_too_large"
+    ids = httpx.post(
+        f"{stack.gateway.url}/v1/completions", json={"model": stack.model, "prompt": [2**40]}, timeout=10
+    )
+    assert ids.status_code == 400 and ids.json()["error"]["param"] == "prompt"
+    assert httpx.get(url, timeout=10).status_code == 405

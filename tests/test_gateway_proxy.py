@@ -10,8 +10,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, open_upstream, with_usage_requested
+from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, forwarded_body, open_upstream
+from gateway.upstream import UpstreamPool
 from kvroute.local_redis import free_port
+from kvroute.openai_protocol import ChatCompletionRequest, parse_request
 from tests.replica_process import ReplicaProcess
 
 CHAT = {
@@ -20,7 +22,6 @@ CHAT = {
     "temperature": 0,
     "ignore_eos": True,
 }
-JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
@@ -40,14 +41,19 @@ def body(llama_dir: Path, **fields: object) -> dict[str, object]:
     return {"model": llama_dir.name, **CHAT, **fields}
 
 
+def forwarded(payload: dict[str, object]) -> tuple[bytes, bool]:
+    raw = json.dumps(payload).encode()
+    return forwarded_body(raw, parse_request(ChatCompletionRequest, raw))
+
+
 async def relay_events(replica: ReplicaProcess, payload: dict[str, object]) -> tuple[list[bytes], SSERelay]:
-    forwarded, client_asked = with_usage_requested(payload)
-    async with httpx.AsyncClient(timeout=60) as client:
-        upstream = await open_upstream(
-            client, [replica.url], "/v1/chat/completions", json.dumps(forwarded).encode(), JSON
-        )
-        relay = SSERelay(upstream.response, forward_usage=client_asked)
-        events = [event async for event in relay]
+    body, client_asked = forwarded(payload)
+    pool = UpstreamPool(read_timeout=60)
+    upstream = await open_upstream(pool, [replica.url], "/v1/chat/completions", body)
+    relay = SSERelay(upstream.response, forward_usage=client_asked)
+    reads = [read async for read in relay]
+    await pool.aclose()
+    events = [event + b"\n\n" for event in b"".join(reads).split(b"\n\n") if event]
     return events, relay
 
 
@@ -55,19 +61,15 @@ def test_dead_candidates_are_skipped_before_any_byte(replica: ReplicaProcess, ll
     dead = f"http://127.0.0.1:{free_port()}"
 
     async def scenario() -> None:
-        async with httpx.AsyncClient(timeout=60) as client:
-            upstream = await open_upstream(
-                client,
-                [dead, replica.url],
-                "/v1/chat/completions",
-                json.dumps(body(llama_dir)).encode(),
-                JSON,
-            )
-            assert upstream.url == replica.url and [url for url, _ in upstream.failures] == [dead]
-            reply = json.loads(await upstream.response.aread())
-            assert cached_tokens(reply["usage"]) == 0
-            with pytest.raises(UpstreamUnavailable, match="ConnectError"):
-                await open_upstream(client, [dead], "/v1/chat/completions", b"{}", JSON)
+        pool = UpstreamPool(read_timeout=60)
+        payload = json.dumps(body(llama_dir)).encode()
+        upstream = await open_upstream(pool, [dead, replica.url], "/v1/chat/completions", payload, whole=True)
+        assert upstream.url == replica.url and [url for url, _ in upstream.failures] == [dead]
+        reply = json.loads(await upstream.response.read())
+        assert cached_tokens(reply["usage"]) == 0
+        with pytest.raises(UpstreamUnavailable, match=r"cannot connect to 127\.0\.0\.1"):
+            await open_upstream(pool, [dead], "/v1/chat/completions", b"{}")
+        await pool.aclose()
 
     asyncio.run(scenario())
 
@@ -96,15 +98,13 @@ def test_usage_the_client_asked_for_is_forwarded(replica: ReplicaProcess, llama_
 
 def test_closing_the_relay_aborts_the_replica_request(replica: ReplicaProcess, llama_dir: Path) -> None:
     async def scenario() -> None:
-        payload, _ = with_usage_requested(body(llama_dir, stream=True, max_tokens=400))
-        async with httpx.AsyncClient(timeout=60) as client:
-            upstream = await open_upstream(
-                client, [replica.url], "/v1/chat/completions", json.dumps(payload).encode(), JSON
-            )
-            relay = SSERelay(upstream.response, forward_usage=False)
-            events = aiter(relay)
-            await anext(events)
-            await events.aclose()  # what Starlette does when the gateway's client goes away
+        payload, _ = forwarded(body(llama_dir, stream=True, max_tokens=400))
+        pool = UpstreamPool(read_timeout=60)
+        upstream = await open_upstream(pool, [replica.url], "/v1/chat/completions", payload)
+        relay = SSERelay(upstream.response, forward_usage=False)
+        events = aiter(relay)
+        await anext(events)
+        await events.aclose()  # what the gateway does when its client goes away
 
     asyncio.run(scenario())
     for _ in range(100):
@@ -114,3 +114,30 @@ def test_closing_the_relay_aborts_the_replica_request(replica: ReplicaProcess, l
             return
         asyncio.run(asyncio.sleep(0.05))
     pytest.fail("the replica kept generating after the relay was closed")
+
+
+@pytest.mark.parametrize(
+    ("extra", "asked", "untouched"),
+    [
+        ({}, True, True),  # not streaming: usage comes anyway
+        ({"stream": True, "stream_options": {"include_usage": True}}, True, True),
+        ({"stream": True}, False, False),
+        ({"stream": True, "stream_options": None}, False, False),
+        ({"stream": True, "stream_options": {"include_usage": False, "other": 1}}, False, False),
+    ],
+)
+def test_forwarded_bodies_ask_for_usage_and_keep_everything_else(
+    extra: dict[str, object], asked: bool, untouched: bool
+) -> None:
+    payload = {"model": "m", "messages": [{"role": "user", "content": "héllo"}], "temperature": 0.5, **extra}
+    raw = json.dumps(payload, ensure_ascii=False).encode() + b"\n"
+    body, client_asked = forwarded_body(raw, parse_request(ChatCompletionRequest, raw))
+    assert client_asked is asked and (body == raw) is untouched
+    sent = json.loads(body)
+    options = sent.pop("stream_options", None)
+    expected = dict(payload)
+    expected_options = expected.pop("stream_options", None)
+    assert sent == expected
+    if payload.get("stream"):
+        assert options == {**(expected_options or {}), "include_usage": True}
+    assert body.count(b'"stream_options"') <= 1

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvroute.local_redis import free_port
 from tests.replica_process import KvrouteProcess, running_stack
 from tests.replica_process import StackProcesses as Stack
 
@@ -87,6 +88,69 @@ def test_gateway_without_redis_from_replica_urls(stack: Stack) -> None:
             served.add(response.headers["x-kvroute-replica"])
         assert served <= {f"127.0.0.1:{r.port}" for r in stack.replicas}
         assert "routing least-loaded instead" in gateway.log_path.read_text()
+    finally:
+        gateway.terminate()
+
+
+def test_admin_lists_and_drains_static_replicas(stack: Stack) -> None:
+    """Replicas given by ``--replica URL`` (no Redis): listed with what the gateway knows of them,
+    one that does not answer included, and drained by their id, ``host:port``."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    urls = [arg for url in [*(r.url for r in stack.replicas), dead] for arg in ("--replica", url)]
+    admin = {"authorization": "Bearer root"}
+    gateway = KvrouteProcess("gateway", stack.workdir / "gateway-admin.log", *urls, "--admin-key", "root")
+    ids = [f"127.0.0.1:{r.port}" for r in stack.replicas]
+    dead_id = dead.removeprefix("http://")
+
+    def rows() -> dict[str, dict]:
+        reply = httpx.get(f"{gateway.url}/admin/replicas", headers=admin, timeout=5)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["redis"] == "none"
+        return {row["id"]: row for row in reply.json()["replicas"]}
+
+    def served_by(prefix: str, requests: int) -> set[str]:
+        replies = [_chat(gateway.url, stack.model, f"{prefix} {i}.") for i in range(requests)]
+        return {reply.headers["x-kvroute-replica"] for reply in replies}
+
+    def drain(replica_id: str, method: str = "POST") -> httpx.Response:
+        url = f"{gateway.url}/admin/replicas/{replica_id}/drain"
+        return httpx.request(method, url, headers=admin, timeout=5)
+
+    try:
+        _wait_for("the static replicas", lambda: _health(gateway.url)["replicas"] == 2)
+        for i in range(4):
+            assert _chat(gateway.url, stack.model, f"Admin question {i % 2}.").status_code == 200
+        listed = rows()
+        assert set(listed) == {*ids, dead_id}
+        for replica_id, replica in zip(ids, stack.replicas, strict=True):
+            row = listed[replica_id]
+            assert row["source"] == "static" and row["epoch"] == "static" and row["url"] == replica.url
+            assert row["model"] == stack.model and row["listed"] and row["healthy"]
+            assert row["kv"] is None and row["heartbeat_age_s"] is None and row["load"]["running"] is None
+            assert row["indexed_blocks"] == 0 and row["load"]["gateway_inflight"] == 0
+            assert row["usage"]["reports"] == row["requests_routed"]
+            assert row["usage"]["predicted_cached_tokens"] == 0  # load-only routing predicts nothing
+        assert sum(listed[i]["requests_routed"] for i in ids) == 4
+        assert sum(listed[i]["usage"]["cached_tokens"] for i in ids) > 0  # the repeats hit a cache
+        silent = listed[dead_id]
+        assert silent["source"] == "static" and silent["url"] == dead and not silent["drained"]
+        assert not (silent["listed"] or silent["answering"] or silent["healthy"])
+        assert silent["requests_routed"] == 0 and "model" not in silent
+
+        assert drain(ids[0]).json() == {"id": ids[0], "drained": True}
+        assert drain(dead_id).json() == {"id": dead_id, "drained": True}  # known, answering or not
+        assert drain("127.0.0.1:1").status_code == 404
+        served = {
+            _chat(gateway.url, stack.model, f"Drained {i}.").headers["x-kvroute-replica"] for i in range(4)
+        }
+        assert served == {ids[1]}
+        after = rows()
+        assert after[ids[0]]["drained"] and not after[ids[0]]["healthy"] and after[dead_id]["drained"]
+        assert drain(ids[0], "DELETE").json() == {"id": ids[0], "drained": False}
+        served = {
+            _chat(gateway.url, stack.model, f"Back {i}.").headers["x-kvroute-replica"] for i in range(6)
+        }
+        assert ids[0] in served
     finally:
         gateway.terminate()
 

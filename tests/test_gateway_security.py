@@ -145,21 +145,32 @@ def test_admin_needs_the_admin_key(stack: Stack) -> None:
 
 
 def test_admin_replicas(stack: Stack) -> None:
-    OpenAI(base_url=f"{stack.gateway.url}/v1", api_key=DATA_KEY, max_retries=0).chat.completions.create(
-        model=stack.model, **CHAT
-    )
+    client = OpenAI(base_url=f"{stack.gateway.url}/v1", api_key=DATA_KEY, max_retries=0)
+    before = stack.get("/admin/replicas", key=ADMIN_KEY).json()["replicas"][0]
+    for _ in range(2):  # the second one is predicted to hit the cache, and does
+        client.chat.completions.create(model=stack.model, **CHAT)
+        time.sleep(0.3)  # the replica's cache events reach the index
     reply = stack.get("/admin/replicas", key=ADMIN_KEY)
     assert reply.status_code == 200, reply.text
     body = reply.json()
     assert body["redis"] == "ok" and body["policy"] == "kv"
     [row] = body["replicas"]
     assert row["id"] == stack.replica_id and row["model"] == stack.model and row["url"] == stack.replica.url
-    assert row["healthy"] and not row["drained"] and row["epoch"]
+    assert row["source"] == "redis" and row["listed"] and row["healthy"] and not row["drained"]
+    assert len(row["epoch"]) == 16 and 0 <= row["heartbeat_age_s"] < 5
     assert set(row["load"]) == {"running", "waiting", "waiting_prefill_tokens", "gateway_inflight"}
+    assert row["load"]["running"] == 0 and row["load"]["gateway_inflight"] == 0
     assert row["kv"]["total_pages"] > 0 and row["kv"]["used_pages"] >= 0
-    assert row["indexed_blocks"] >= 1 and row["requests_routed"] >= 1
+    assert row["indexed_blocks"] >= 1 and row["requests_routed"] == before["requests_routed"] + 2
+    usage, earlier = row["usage"], before["usage"]
+    assert usage["reports"] == earlier["reports"] + 2
+    assert usage["prompt_tokens"] > earlier["prompt_tokens"]
+    assert usage["predicted_cached_tokens"] > earlier["predicted_cached_tokens"]
+    assert usage["cached_tokens"] > earlier["cached_tokens"]
     tokens = body["models"][stack.model]
-    assert tokens["prompt_tokens"] > 0 and "predicted_cached_tokens" in tokens and "cached_tokens" in tokens
+    assert tokens["prompt_tokens"] >= usage["prompt_tokens"]
+    assert tokens["predicted_cached_tokens"] >= usage["predicted_cached_tokens"]
+    assert tokens["cached_tokens"] == usage["cached_tokens"]
 
 
 def test_admin_route_explains_without_sending(stack: Stack) -> None:
