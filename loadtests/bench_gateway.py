@@ -28,8 +28,8 @@ front of the same replica, its CPU too); otherwise its column says "not installe
    cached (what the gateway does on a chat's next turn: only the new turn is tokenized), and for a
    verbatim repeat.
 5. **The upstream HTTP client alone**: CPU µs per request of the client the gateway proxies with
-   (``gateway.upstream``) and of httpx, the client it replaced there, each POSTing the 2,000-character
-   chat to an instant HTTP server (canned answer, its own thread and event loop) on uvloop, at
+   (``gateway.upstream``, on aiohttp) and of httpx, the client it replaced there, each POSTing the
+   2,000-character chat to an instant HTTP server (canned answer, its own thread and event loop) on uvloop, at
    concurrency 1 and 32, non-streaming and streaming; CPU is this thread's alone.
 
 Full run (a couple of minutes; run it on a quiet machine)::
