@@ -5,7 +5,6 @@ parser; ``docker compose config`` runs where a compose implementation is install
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shlex
@@ -21,7 +20,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from kvroute.cli import build_parser
+from tests.cli_parsing import strict_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -157,16 +156,6 @@ def run_command(service: dict[str, Any], tmp_path: Path, env: dict[str, str] | N
     )
     assert result.returncode == 0, result.stderr
     return json.loads(argv_out.read_text(encoding="utf-8"))
-
-
-def strict_parser() -> argparse.ArgumentParser:
-    """``kvroute``'s parser with abbreviations off, so a misspelt ``--thread`` is not ``--threads``."""
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for subparser in action.choices.values():
-                subparser.allow_abbrev = False
-    return parser
 
 
 def parse_kvroute(argv: list[str]) -> Namespace:

@@ -5,7 +5,6 @@ through the real CLI parser, and ``kubectl kustomize`` composition where kubectl
 
 from __future__ import annotations
 
-import argparse
 import ast
 import copy
 import re
@@ -20,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvroute.cli import build_parser
+from tests.cli_parsing import strict_parser
 
 ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
@@ -111,16 +110,6 @@ def kvroute_args(workload: Resource, resources: list[Resource]) -> Namespace:
     assert spec["command"] == ["kvroute"]
     env = env_values(spec, by_kind(resources, "Secret"))
     return strict_parser().parse_args([expand(arg, env) for arg in spec["args"]])
-
-
-def strict_parser() -> argparse.ArgumentParser:
-    """``kvroute``'s parser with abbreviations off, so a misspelt ``--thread`` is not ``--threads``."""
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for subparser in action.choices.values():
-                subparser.allow_abbrev = False
-    return parser
 
 
 def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:

@@ -29,6 +29,7 @@ from kvroute.local_redis import free_port
 from kvroute.stack import LocalStack, StackSettings
 from loadtests.report import cpu_model, package_version, progress
 from loadtests.serving.client import Endpoint
+from loadtests.serving.report import save_figure
 from loadtests.serving.serve import ServePoint, ServeSettings, request_extras, run_point, settings_from_args
 
 BENCH = "bench compare"
@@ -224,12 +225,7 @@ def plot_compare(results: list[PolicyResult], path: Path, title: str) -> Path:
     for axes in (latency, cached):
         axes.set_xticks(list(positions), names, rotation=30, ha="right")
         axes.grid(axis="y", alpha=0.3)
-    figure.suptitle(title)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+    return save_figure(figure, path, title)
 
 
 def run_compare_command(args: argparse.Namespace) -> None:

@@ -7,10 +7,13 @@ oracle's, and their quotient.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loadtests.serving.metrics import ServingMetrics, percentile_label
 from loadtests.serving.oracle import OracleResult
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 WIDTH = 50
 _TITLES = {
@@ -104,6 +107,13 @@ def plot_sweep(results: list[dict[str, Any]], path: Path, title: str) -> Path | 
     for axes in (latency, throughput):
         axes.set_xscale("log", base=2)
         axes.grid(alpha=0.3)
+    return save_figure(figure, path, title)
+
+
+def save_figure(figure: Figure, path: Path, title: str) -> Path:
+    """Titles, lays out and writes a matplotlib figure as a PNG, then frees it."""
+    import matplotlib.pyplot as plt
+
     figure.suptitle(title)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
