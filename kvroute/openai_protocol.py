@@ -180,8 +180,8 @@ class _GenerationRequest(_TopLevel):
     top_k: int | None = Field(None, ge=-1)  # vLLM extension; -1 and 0 disable it
     n: int = Field(1, ge=1, le=MAX_N)
     seed: int | None = Field(None, ge=-(2**63), lt=2**64)
-    stop: list[str] = []
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     stream: bool = False
