@@ -1,8 +1,10 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step: every running decode gets its one token first (so a long prompt never stalls them),
-then partially prefilled sequences get chunks, then waiting sequences are admitted while there
-is budget, sequence slots and KV pages. When a decode cannot get a page, the youngest running
+then waiting sequences whose whole uncached tail fits in the rest of the budget (cache hits, short
+prompts: they would otherwise wait out every chunk of a long prefill), then partially prefilled
+sequences get chunks, then other waiting sequences are admitted while there is budget, sequence
+slots and KV pages. When a decode cannot get a page, the youngest running
 sequence is preempted: its pages are released (full pages stay in the prefix cache) and it is
 recomputed later, usually hitting that cache.
 """
@@ -68,6 +70,9 @@ class Scheduler:
         while True:
             batch = ScheduledBatch()
             budget = self._schedule_decodes(batch, self.token_budget)
+            # Requests whose whole uncached tail fits in this step (cache hits, short prompts) go
+            # before the next chunk of a long prefill: a hit would otherwise wait out the long one.
+            budget = self._admit_waiting(batch, budget, fitting_only=True)
             budget = self._schedule_prefill_chunks(batch, budget)
             self._admit_waiting(batch, budget)
             if batch or len(self.running) < 2:
@@ -94,7 +99,8 @@ class Scheduler:
         return budget
 
     def _schedule_prefill_chunks(self, batch: ScheduledBatch, budget: int) -> int:
-        for seq in [s for s in self.running if s.num_uncomputed > 1]:
+        admitted = {id(seq) for seq, _ in batch.prefills}  # this step's admissions have their chunk
+        for seq in [s for s in self.running if s.num_uncomputed > 1 and id(s) not in admitted]:
             if budget == 0:
                 break
             chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
@@ -103,22 +109,27 @@ class Scheduler:
                 budget -= chunk
         return budget
 
-    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int, fitting_only: bool = False) -> int:
+        """Admits waiting sequences in arrival order while budget, slots and pages last; with
+        ``fitting_only``, only those expected to finish their prefill within ``budget``."""
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
-                return
+                break
             if seq.wait_for is not None and not _prompt_cached(seq.wait_for):
+                continue
+            if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget:
                 continue
             self.kv.admit(seq)
             chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
             if not chunk:
                 self.kv.release(seq)
-                return
+                break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.prefills.append((seq, chunk))
             budget -= chunk
+        return budget
 
     def _fit_chunk(self, seq: Sequence, wanted: int) -> int:
         """The largest chunk up to ``wanted`` tokens whose pages can be had without preempting."""

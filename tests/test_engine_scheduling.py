@@ -89,6 +89,23 @@ def test_queued_load_counts_only_the_uncached_tail(engine: LLMEngine) -> None:
     assert engine.stats().waiting_prefill_tokens == 0
 
 
+def test_a_cache_hit_jumps_ahead_of_a_long_prefill(make_engine: EngineFactory) -> None:
+    """A hit's few uncached tokens go into the next step, not after every chunk of a cold prompt."""
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=8)
+    prompt = random_prompt(100, seed=40)
+    engine.add_request("warm-up", prompt, GREEDY)
+    run_all(engine)
+    engine.add_request("cold", random_prompt(600, seed=41), GREEDY)
+    engine.step()  # the cold prompt's first 64-token chunk
+    engine.add_request("hit", [*prompt[:96], *random_prompt(10, seed=42)], GREEDY)
+    first = {out.request_id for out in engine.step() for delta in out.deltas if delta.token_ids}
+    assert first == {"hit"}, "the hit got its first token while the cold prompt is still prefilling"
+    collected = run_all(engine)
+    assert collected.final["hit"].cached_tokens == 96
+    assert len(collected.tokens["cold"][0]) == 12 and len(collected.tokens["hit"][0]) == 11
+    engine.check_integrity()
+
+
 def test_requests_join_the_running_batch_at_step_boundaries(engine: LLMEngine) -> None:
     engine.add_request("a", random_prompt(20, seed=3), GREEDY)
     engine.step()
