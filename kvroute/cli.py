@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 
 from kvroute.blocks import DEFAULT_BLOCK_SIZE
 from kvroute.redis_schema import DEFAULT_PREFIX
-from loadtests.bench_cli import add_bench_commands
 
 if TYPE_CHECKING:
     from replica.kv_publisher import PublisherConfig
@@ -323,8 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shards", type=int, default=1, help="number of safetensors shards")
-    p = sub.add_parser("bench", help="serving benchmark and policy comparison (load tests)")
-    add_bench_commands(p)
+    # The load tests parse their own options (loadtests/bench_cli.py), imported only when run:
+    # the serving code never depends on loadtests/.
+    p = sub.add_parser("bench", help="serving benchmark and policy comparison (load tests)", add_help=False)
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="serve|compare and their options")
     p = sub.add_parser("memory", help="weights and KV-cache memory for a model config")
     p.add_argument("model", type=Path, help="model directory or config.json")
     p.add_argument("--context", type=int, default=131072, help="tokens of context to size KV for")
@@ -340,12 +341,23 @@ _HANDLERS = {
     "make-test-model": _run_make_test_model,
     "memory": _run_memory,
     "calibrate": _run_calibrate,
-    "bench": lambda args: args.bench_handler(args),
+    "bench": lambda args: _run_bench(args.bench_args),
 }
 
 
+def _run_bench(argv: list[str]) -> None:
+    from loadtests.bench_cli import run_bench
+
+    run_bench(argv)
+
+
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = unknown + args.bench_args  # a leading --help lands in ``unknown``
+    elif unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         _HANDLERS[args.command](args)

@@ -1,5 +1,5 @@
-"""``kvroute bench serve`` and ``kvroute bench compare``: their options; the work is imported lazily
-so ``kvroute --help`` stays fast and the serving commands never load the benchmark client."""
+"""``kvroute bench serve`` and ``kvroute bench compare``: their options; ``kvroute.cli`` hands them the
+arguments after ``bench``, and the work itself is imported only once a command runs."""
 
 from __future__ import annotations
 
@@ -13,6 +13,14 @@ from typing import Any
 from kvroute.blocks import DEFAULT_BLOCK_SIZE
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+
+
+def run_bench(argv: list[str]) -> None:
+    """``kvroute bench ARGV``: parses the load tests' own options and runs the chosen command."""
+    parser = argparse.ArgumentParser(prog="kvroute bench", description="Load tests.")
+    add_bench_commands(parser)
+    args = parser.parse_args(argv)
+    args.bench_handler(args)
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:

@@ -44,3 +44,11 @@ def test_make_test_model_and_memory_planner(tmp_path: Path) -> None:
     plan = kvroute("memory", str(out), "--context", "4096", "--gpu-memory", "1")
     assert plan.returncode == 0, plan.stderr
     assert "KV" in plan.stdout
+
+
+def test_the_serving_cli_does_not_load_the_load_tests() -> None:
+    """DESIGN: nothing imports loadtests/; `kvroute bench` imports it only when it runs."""
+    code = "import sys, kvroute.cli; sys.exit(any(m.startswith('loadtests') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+    bench_help = kvroute("bench", "--help")
+    assert bench_help.returncode == 0 and "{serve,compare}" in bench_help.stdout
