@@ -61,17 +61,7 @@ def paged_attention(
     outputs: list[torch.Tensor] = []
     if batch.num_decodes:
         assert batch.decode_slots is not None
-        # [decodes, longest, 2, kv_heads, dim], widened to fp32: SDPA's CPU kernel handles single
-        # queries 2-5x slower in bf16 than in fp32 (measured here, with the widening included)
-        context = _gather(kv_cache, batch.decode_slots).float()
-        out = F.scaled_dot_product_attention(
-            q[: batch.num_decodes].float().unsqueeze(2),
-            context[:, :, 0].transpose(1, 2),
-            context[:, :, 1].transpose(1, 2),
-            attn_mask=batch.decode_mask,
-            enable_gqa=True,
-        )
-        outputs.append(out.squeeze(2).to(q.dtype))
+        outputs.append(_decode_attention(q[: batch.num_decodes], kv_cache, batch))
     for span in batch.prefills:
         end = span.start + span.length
         if span.context_slots is None:
@@ -88,6 +78,31 @@ def paged_attention(
         )
         outputs.append(out[0].transpose(0, 1))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    """One new query per sequence against its whole context: q [decodes, heads, dim].
+
+    SDPA's CPU kernel handles a single bf16 query 2-5x slower than an fp32 one. With grouped KV
+    heads, the query heads sharing a KV head become that head's query rows (head h reads KV head
+    h // group, as transformers' GQA does), so the kernel sees several queries and runs in the
+    model's dtype: 1.8-2.3x faster than widening to fp32 at 1,000 tokens of context (16
+    sequences), up to 1.2x at 200. Without grouping (one query per KV head) the K/V are widened.
+    """
+    decodes, heads, dim = q.shape
+    kv_heads = kv_cache.shape[2]
+    context = _gather(kv_cache, batch.decode_slots)  # [decodes, longest, 2, kv_heads, dim]
+    query = q.view(decodes, kv_heads, heads // kv_heads, dim)
+    widen = heads == kv_heads and q.dtype != torch.float32
+    if widen:
+        context, query = context.float(), query.float()
+    out = F.scaled_dot_product_attention(
+        query,
+        context[:, :, 0].transpose(1, 2),
+        context[:, :, 1].transpose(1, 2),
+        attn_mask=batch.decode_mask,
+    )
+    return out.reshape(decodes, heads, dim).to(q.dtype)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:

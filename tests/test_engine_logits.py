@@ -117,14 +117,21 @@ def test_twenty_batched_decode_steps(model_dir: Path, make_engine: EngineFactory
 
 
 def test_bf16_batched_decode_tracks_fp32(model_dir: Path) -> None:
-    """bf16 decode attention widens K/V to fp32 for SDPA; the result must come back in bf16 and
-    stay within bf16 rounding of the fp32 reference."""
+    """bf16 decode (grouped query heads in one bf16 SDPA) must stay as close to the fp32 reference
+    as transformers' own bf16 model does on the same tokens (with a floor for tiny errors)."""
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kv_cache_tokens=4096))
     seqs, logits = twenty_batched_decode_steps(engine)
+    their_bf16 = AutoModelForCausalLM.from_pretrained(
+        model_dir, attn_implementation="eager", dtype=torch.bfloat16
+    )
     for row, seq in enumerate(seqs):
         expected = reference_logits(model_dir, seq.token_ids)[-1]
+        with torch.no_grad():
+            theirs = their_bf16(torch.tensor([seq.token_ids])).logits[0, -1].float()
         error = ((logits[row] - expected).abs().max() / expected.abs().max()).item()
-        assert error < BF16_TOLERANCE, f"relative error {error:.2e}"
+        their_error = ((theirs - expected).abs().max() / expected.abs().max()).item()
+        limit = max(BF16_TOLERANCE, 1.5 * their_error)
+        assert error < limit, f"relative error {error:.2e} (transformers bf16: {their_error:.2e})"
     engine.check_integrity()
 
 
