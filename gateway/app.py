@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +40,14 @@ from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S, Replic
 from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.metrics import GatewayMetrics, ReplicaStats
 from gateway.policies import make_policy
-from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, forwarded_body, open_upstream
+from gateway.proxy import (
+    SSERelay,
+    Upstream,
+    UpstreamUnavailable,
+    cached_tokens,
+    forwarded_body,
+    open_upstream,
+)
 from gateway.routing import RoutePlan, Router
 from gateway.tokenizers import Prompt, TokenizerError, TokenizerRegistry
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -221,7 +228,11 @@ class _GatewayAPI:
         ticket = self._commit(route, replica, len(prompt))
         try:
             urls = [r.url for r in route.ordered]
-            upstream = await open_upstream(self.upstream, urls, path, forward, whole=not body.stream)
+            opening = open_upstream(self.upstream, urls, path, forward, whole=not body.stream)
+            # A whole reply can take minutes: a client that leaves meanwhile cancels it, which
+            # closes the replica connection, so the replica aborts the request (a stream's client
+            # is watched the same way in _stream).
+            upstream = await (opening if body.stream else _unless_client_leaves(request, opening))
         except UpstreamUnavailable as error:
             self.router.done(ticket)
             self._report_failures(route.ordered, error.failures)
@@ -390,6 +401,27 @@ class _GatewayAPI:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _unless_client_leaves(request: Request, opening: Coroutine[Any, Any, Upstream]) -> Upstream:
+    """Awaits ``opening``, or cancels it and raises :class:`ClientDisconnect` if the client leaves
+    first (its body has been read, so the server's next message is the disconnect)."""
+    task = asyncio.ensure_future(opening)
+    client_left = asyncio.ensure_future(request.receive())
+    try:
+        await asyncio.wait((task, client_left), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        raise
+    finally:
+        client_left.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.wait((task,))
+    if not task.cancelled() and task.exception() is None:
+        task.result().response.close()  # it came in just as the client left
+    raise ClientDisconnect()
 
 
 class _Dispatch:

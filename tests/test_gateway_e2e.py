@@ -126,11 +126,13 @@ def test_concurrent_new_conversations_spread_and_then_stick(stack: Stack) -> Non
         assert second.usage is not None and second.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def _metric(replica: ReplicaProcess, name: str) -> float:
-    """The sum of a replica metric's samples (all labels)."""
+def _metric(replica: ReplicaProcess, name: str, label: str = "") -> float:
+    """The sum of a replica metric's samples (all labels, or those whose labels hold ``label``)."""
     text = httpx.get(f"{replica.url}/metrics", timeout=10).text
     return sum(
-        float(line.split()[-1]) for line in text.splitlines() if line.startswith((name + " ", name + "{"))
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith((name + " ", name + "{")) and label in line
     )
 
 
@@ -153,6 +155,29 @@ def test_a_client_leaving_mid_stream_aborts_the_replica_request(stack: Stack) ->
         assert time.monotonic() < deadline, "the replica kept generating after the client left"
         time.sleep(0.05)
     assert _metric(replica, "vllm:generation_tokens_total") - generated[replica.port] < 1000
+
+
+def _aborted(stack: Stack) -> float:
+    """Requests the stack's replicas ended as aborted."""
+    return sum(_metric(r, "vllm:request_success_total", 'finished_reason="abort"') for r in stack.replicas)
+
+
+def test_a_client_leaving_before_a_whole_reply_aborts_the_replica_request(stack: Stack) -> None:
+    """Non-streaming: the client gives up while the replica is still generating."""
+    body = {
+        "model": stack.model,
+        "messages": [{"role": "user", "content": "Talk for a long while, then stop."}],
+        "max_tokens": 2000,
+        "ignore_eos": True,
+    }
+    aborted = _aborted(stack)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{stack.gateway.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
+    deadline = time.monotonic() + 20
+    while sum(_metric(r, "vllm:num_requests_running") for r in stack.replicas) != 0:
+        assert time.monotonic() < deadline, "the replica kept generating after the client left"
+        time.sleep(0.05)
+    assert _aborted(stack) == aborted + 1
 
 
 def test_bad_bodies_are_refused_before_any_replica(stack: Stack) -> None:
