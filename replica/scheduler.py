@@ -1,12 +1,12 @@
 """Continuous batching with chunked prefill under a per-step token budget.
 
 Each step: every running decode gets its one token first (so a long prompt never stalls them),
-then waiting sequences whose whole uncached tail fits in the rest of the budget (cache hits, short
-prompts: they would otherwise wait out every chunk of a long prefill), then partially prefilled
-sequences get chunks, then other waiting sequences are admitted while there is budget, sequence
-slots and KV pages. When a decode cannot get a page, the youngest running
-sequence is preempted: its pages are released (full pages stay in the prefix cache) and it is
-recomputed later, usually hitting that cache.
+then waiting sequences whose whole uncached tail fits in the rest of the budget less one page
+(cache hits, short prompts: they would otherwise wait out every chunk of a long prefill; the page
+keeps prefills under way moving), then partially prefilled sequences get chunks, then other
+waiting sequences are admitted while there is budget, sequence slots and KV pages. When a decode
+cannot get a page, the youngest running sequence is preempted: its pages are released (full pages
+stay in the prefix cache) and it is recomputed later, usually hitting that cache.
 """
 
 from __future__ import annotations
@@ -72,7 +72,10 @@ class Scheduler:
             budget = self._schedule_decodes(batch, self.token_budget)
             # Requests whose whole uncached tail fits in this step (cache hits, short prompts) go
             # before the next chunk of a long prefill: a hit would otherwise wait out the long one.
-            budget = self._admit_waiting(batch, budget, fitting_only=True)
+            # One page of the step stays for prefills under way, so a stream of hits cannot
+            # starve them: each advances at least a page per step.
+            reserve = min(budget, self.kv.page_size) if self._prefill_under_way() else 0
+            budget = self._admit_waiting(batch, budget - reserve, fitting_only=True) + reserve
             budget = self._schedule_prefill_chunks(batch, budget)
             self._admit_waiting(batch, budget)
             if batch or len(self.running) < 2:
@@ -81,6 +84,9 @@ class Scheduler:
             # so the others can move (one sequence alone always fits: the context window is capped
             # by the pool).
             self._preempt(self.running[-1])
+
+    def _prefill_under_way(self) -> bool:
+        return any(seq.num_uncomputed > 1 for seq in self.running)
 
     def _schedule_decodes(self, batch: ScheduledBatch, budget: int) -> int:
         for seq in [s for s in self.running if s.num_uncomputed == 1]:

@@ -18,6 +18,7 @@ from tests.conftest import EngineFactory
 from tests.test_engine_logits import random_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+ONE_TOKEN = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
 
 
 class Collected:
@@ -103,6 +104,27 @@ def test_a_cache_hit_jumps_ahead_of_a_long_prefill(make_engine: EngineFactory) -
     collected = run_all(engine)
     assert collected.final["hit"].cached_tokens == 96
     assert len(collected.tokens["cold"][0]) == 12 and len(collected.tokens["hit"][0]) == 11
+    engine.check_integrity()
+
+
+def test_a_stream_of_cache_hits_cannot_starve_a_long_prefill(make_engine: EngineFactory) -> None:
+    """Hits go first, but a prefill under way still advances at least a page every step."""
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=64)
+    prompt = random_prompt(100, seed=50)
+    engine.add_request("warm-up", prompt, ONE_TOKEN)
+    run_all(engine)
+    engine.add_request("cold", random_prompt(300, seed=51), GREEDY)
+    engine.step()  # its first chunk
+    cold = next(seq for seq in engine.scheduler.running if seq.request_id == "cold")
+    for i in range(6):
+        before = cold.num_computed
+        # each hit's 20-token tail fits in the step, and together they would fill all of it
+        for j in range(3):
+            tail = random_prompt(20, seed=100 + 3 * i + j)
+            engine.add_request(f"hit-{i}-{j}", [*prompt[:96], *tail], ONE_TOKEN)
+        engine.step()
+        assert cold.num_computed - before >= 16, "the cold prompt made no progress this step"
+    run_all(engine)
     engine.check_integrity()
 
 
