@@ -11,8 +11,10 @@
   ``"capped": true`` for a replica over the queue cap), the winner, the policy, prompt tokens.
   Honours ``x-kvroute-policy`` like the request path does for admins.
 * ``POST /admin/replicas/{id}/drain`` takes a replica out of rotation (new requests only; what it
-  is serving finishes); ``DELETE`` on the same path puts it back. A static replica's id is
-  ``host:port`` of its URL, answering or not.
+  is serving finishes); ``DELETE`` on the same path puts it back. Drains go through Redis, so
+  every gateway sharing it applies them (``"shared": true``); with no Redis, or while it cannot
+  be written, only this gateway does (``false``). A static replica's id is ``host:port`` of its
+  URL, answering or not.
 
 Per-request policy override: a ``/v1`` request with ``x-kvroute-policy: <name>`` and the admin
 key as its Bearer token is routed by that policy (:meth:`AdminAPI.policy_override`); the header is
@@ -235,14 +237,15 @@ class AdminAPI:
     # -- drain ----------------------------------------------------------------------------------
 
     async def drain(self, request: Request) -> Response:
+        """POST drains, DELETE puts back; ``shared`` says whether every gateway sharing this
+        Redis sees it (False: this gateway only, as Redis could not be written, or there is none)."""
         replica_id = request.path_params["replica_id"]
-        drained = self.api.router.drained
-        if request.method == "DELETE":
-            drained.discard(replica_id)
-        else:
-            known = {r.replica_id for r in self.api.router.known_replicas()}
+        router = self.api.router
+        drain = request.method != "DELETE"
+        if drain and replica_id not in router.drained:
+            known = {r.replica_id for r in router.known_replicas()}
             known.update(self.api.replica_health.static_ids())
-            if replica_id not in drained and replica_id not in known:
+            if replica_id not in known:
                 raise APIError(f"No live replica {replica_id!r}.", 404, param="id", code="replica_not_found")
-            drained.add(replica_id)
-        return JSONResponse({"id": replica_id, "drained": replica_id in drained})
+        shared = await router.set_drained(replica_id, drain)
+        return JSONResponse({"id": replica_id, "drained": replica_id in router.drained, "shared": shared})

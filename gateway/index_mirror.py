@@ -191,6 +191,7 @@ class IndexMirror:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = _Metrics(self.registry, self.index)
         self._replicas: dict[str, ReplicaInfo] = {}
+        self.drained: frozenset[str] = frozenset()  # ids drained fleet-wide, as of the last poll
         self._epochs: dict[str, str] = {}  # the epoch the index holds for each replica
         self._streams: dict[str, _Stream] = {}  # model -> position
         self._stream_models: dict[str, str] = {}  # stream key -> model
@@ -267,6 +268,17 @@ class IndexMirror:
         infos = sorted(self._replicas.values(), key=lambda info: info.replica_id)
         return [info for info in infos if model is None or info.model == model]
 
+    async def set_drained(self, replica_id: str, drained: bool) -> None:
+        """Drains (or puts back) ``replica_id`` for every gateway sharing this Redis; this mirror
+        applies it at once, the others at their next poll. Raises ``RedisError``/``OSError``."""
+        redis = self._client()
+        if drained:
+            await redis.sadd(self.keys.drained, replica_id)
+            self.drained |= {replica_id}
+        else:
+            await redis.srem(self.keys.drained, replica_id)
+            self.drained -= {replica_id}
+
     def lookup(self, model: str, hashes: Sequence[int]) -> dict[str, int]:
         """Per live replica of ``model``, its count of leading blocks of ``hashes``."""
         return self.index.lookup(model, hashes)
@@ -328,7 +340,8 @@ class IndexMirror:
         async with redis.pipeline(transaction=False) as pipe:
             pipe.info("server")
             pipe.smembers(self.keys.replicas)
-            server, members = await pipe.execute()
+            pipe.smembers(self.keys.drained)
+            server, members, drained = await pipe.execute()
         run_id = server["run_id"]
         if self._run_id is not None and run_id != self._run_id and not full:
             log.warning("Redis restarted (run id changed); bootstrapping the index again")
@@ -379,6 +392,7 @@ class IndexMirror:
         if full:
             self._metrics.bootstraps.labels("start" if self._run_id is None else "resync").inc()
             log.info("index bootstrapped: %d replicas, %d blocks", self.index.num_replicas, self.index.size)
+        self.drained = frozenset(member.decode() for member in drained)
         self._update_replica_gauge()
         self._run_id = run_id
         self._full_bootstrap = False

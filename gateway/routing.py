@@ -6,10 +6,13 @@ which already includes them (as running or waiting sequences).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from redis.exceptions import RedisError
 
 from gateway.health import ReplicaHealth
 from gateway.index_mirror import IndexMirror, ReplicaInfo
@@ -17,6 +20,8 @@ from gateway.policies import Candidate, Decision, Policy, RouteRequest
 from gateway.tokenizers import Prompt
 from kvroute.blocks import model_seed
 from kvroute.errors import APIError
+
+log = logging.getLogger("kvroute.gateway")
 
 
 @dataclass
@@ -86,11 +91,35 @@ class Router:
         self.health = health
         self.load_policy = load_policy or policy
         self.use_index = use_index
-        self.drained: set[str] = set()  # replica ids the admin API took out of rotation
+        self._drained_here: set[str] = set()  # drains that could not be shared through Redis
         self._seeds: dict[tuple[str, str], int] = {}  # (model, fingerprint) -> block hash chain root
         self._flights: dict[str, _ReplicaFlights] = {}
         self._replica_of: dict[int, str] = {}  # ticket -> replica id
         self._next_ticket = 0
+
+    @property
+    def drained(self) -> frozenset[str]:
+        """Replica ids out of rotation: drained through any gateway (shared in Redis), or through
+        this one while Redis could not take it (or with no Redis at all)."""
+        shared = self.mirror.drained if self.use_index else frozenset()
+        return shared | self._drained_here if self._drained_here else shared
+
+    async def set_drained(self, replica_id: str, drained: bool) -> bool:
+        """Drains ``replica_id`` (or puts it back); True when every gateway sharing this Redis
+        will see it, False when only this one does (no Redis, or Redis unreachable now)."""
+        if drained:
+            self._drained_here.add(replica_id)
+        else:
+            self._drained_here.discard(replica_id)
+        if not self.use_index:
+            return False
+        try:
+            await self.mirror.set_drained(replica_id, drained)
+        except (RedisError, OSError) as error:
+            log.warning("could not share the drain of %s through Redis (%s)", replica_id, error)
+            return False
+        self._drained_here.discard(replica_id)
+        return True
 
     @property
     def degraded(self) -> bool:
@@ -131,8 +160,8 @@ class Router:
         policy: Policy | None = None,
     ) -> RoutePlan:
         """``policy`` overrides the router's own for this request (an admin's experiment)."""
-        if self.drained:
-            replicas = [info for info in replicas if info.replica_id not in self.drained]
+        if drained := self.drained:
+            replicas = [info for info in replicas if info.replica_id not in drained]
             if not replicas:
                 raise APIError("Every replica of this model is drained.", 503, code="service_unavailable")
         block_size = replicas[0].block_size

@@ -9,6 +9,9 @@ Keys (``prefix`` defaults to ``kvroute``):
 - ``{prefix}:blocks:{id}``: SET of the block hashes the replica holds in its current epoch, each an
   8-byte little-endian unsigned integer.
 - ``{prefix}:events:{model}``: STREAM of cache events for one served model (``EVENT_FIELDS``).
+- ``{prefix}:drained``: SET of replica ids an admin took out of rotation through any gateway; every
+  gateway stops routing to them. A replica removes its own id when it deregisters (a drain lasts
+  until the replica stops, or until an admin puts it back).
 
 A replica applies each event batch to its blocks set and appends it to the stream in one
 MULTI/EXEC, so a reader that takes the stream's last id, then the sets, then replays the stream
@@ -50,6 +53,10 @@ class Keys:
 
     def events(self, model: str) -> str:
         return f"{self.prefix}:events:{model}"
+
+    @property
+    def drained(self) -> str:
+        return f"{self.prefix}:drained"
 
 
 # Heartbeat hash fields: protocol version, identity, then load. All values are strings in Redis.

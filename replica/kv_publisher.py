@@ -129,6 +129,7 @@ class KVPublisher:
         self._stats = stats
         keys = Keys(config.prefix)
         self._replicas_key = keys.replicas
+        self._drained_key = keys.drained
         self._heartbeat_key = keys.heartbeat(config.replica_id)
         self._blocks_key = keys.blocks(config.replica_id)
         self._events_key = keys.events(model)
@@ -174,7 +175,7 @@ class KVPublisher:
         ]
 
     async def stop(self) -> None:
-        """Deregisters at once (heartbeat, replicas entry, blocks set, CLEARED), so gateways need
+        """Deregisters at once (heartbeat, replicas entry, blocks set, any drain, CLEARED), so gateways need
         not wait for the TTL; bounded by ``socket_timeout`` when Redis is away. Idempotent: the
         server calls it when a shutdown signal arrives and again when its lifespan ends."""
         if self._deregistration is None:
@@ -192,6 +193,7 @@ class KVPublisher:
             async with self._transaction() as pipe:
                 pipe.delete(self._heartbeat_key, self._blocks_key)
                 pipe.srem(self._replicas_key, self.config.replica_id)
+                pipe.srem(self._drained_key, self.config.replica_id)
                 self._queue_xadd(pipe, EventKind.CLEARED, [])
         except (RedisError, OSError) as error:
             log.warning(

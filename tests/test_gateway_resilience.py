@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from kvroute.local_redis import free_port
+from kvroute.redis_schema import Keys
 from tests.replica_process import KvrouteProcess, running_stack
 from tests.replica_process import StackProcesses as Stack
 
@@ -92,6 +93,38 @@ def test_gateway_without_redis_from_replica_urls(stack: Stack) -> None:
         gateway.terminate()
 
 
+ADMIN = {"authorization": "Bearer drain-admin"}
+
+
+def _drained_on(url: str, replica_id: str) -> bool:
+    rows = httpx.get(f"{url}/admin/replicas", headers=ADMIN, timeout=5).json()["replicas"]
+    return next(row["drained"] for row in rows if row["id"] == replica_id)
+
+
+def test_a_drain_through_one_gateway_reaches_every_gateway(stack: Stack) -> None:
+    """Gateways behind a balancer share one Redis: an admin's drain lands on one of them, and
+    must take the replica out of every gateway's rotation (and a put-back, likewise)."""
+    args = ("--redis", stack.redis.url, "--admin-key", "drain-admin")
+    first, second = (KvrouteProcess("gateway", stack.workdir / f"gateway-{n}.log", *args) for n in "12")
+    drained, kept = (f"127.0.0.1:{r.port}" for r in stack.replicas)
+    try:
+        for gateway in (first, second):
+            _wait_for("the gateway's replicas", lambda g=gateway: _health(g.url)["replicas"] == 2)
+        reply = httpx.post(f"{first.url}/admin/replicas/{drained}/drain", headers=ADMIN, timeout=10)
+        assert reply.json() == {"id": drained, "drained": True, "shared": True}
+        _wait_for("the drain to reach the second gateway", lambda: _drained_on(second.url, drained), 5)
+        for i in range(4):
+            response = _chat(second.url, stack.model, f"Drained question {i}.")
+            assert response.status_code == 200 and response.headers["x-kvroute-replica"] == kept
+        put_back = httpx.delete(f"{second.url}/admin/replicas/{drained}/drain", headers=ADMIN, timeout=10)
+        assert put_back.json() == {"id": drained, "drained": False, "shared": True}
+        _wait_for("the put-back to reach the first gateway", lambda: not _drained_on(first.url, drained), 5)
+    finally:
+        stack.redis.client().delete(Keys().drained)
+        first.terminate()
+        second.terminate()
+
+
 def test_admin_lists_and_drains_static_replicas(stack: Stack) -> None:
     """Replicas given by ``--replica URL`` (no Redis): listed with what the gateway knows of them,
     one that does not answer included, and drained by their id, ``host:port``."""
@@ -137,8 +170,8 @@ def test_admin_lists_and_drains_static_replicas(stack: Stack) -> None:
         assert not (silent["listed"] or silent["answering"] or silent["healthy"])
         assert silent["requests_routed"] == 0 and "model" not in silent
 
-        assert drain(ids[0]).json() == {"id": ids[0], "drained": True}
-        assert drain(dead_id).json() == {"id": dead_id, "drained": True}  # known, answering or not
+        assert drain(ids[0]).json() == {"id": ids[0], "drained": True, "shared": False}
+        assert drain(dead_id).json() == {"id": dead_id, "drained": True, "shared": False}  # no Redis
         assert drain("127.0.0.1:1").status_code == 404
         served = {
             _chat(gateway.url, stack.model, f"Drained {i}.").headers["x-kvroute-replica"] for i in range(4)
@@ -146,7 +179,7 @@ def test_admin_lists_and_drains_static_replicas(stack: Stack) -> None:
         assert served == {ids[1]}
         after = rows()
         assert after[ids[0]]["drained"] and not after[ids[0]]["healthy"] and after[dead_id]["drained"]
-        assert drain(ids[0], "DELETE").json() == {"id": ids[0], "drained": False}
+        assert drain(ids[0], "DELETE").json() == {"id": ids[0], "drained": False, "shared": False}
         served = {
             _chat(gateway.url, stack.model, f"Back {i}.").headers["x-kvroute-replica"] for i in range(6)
         }

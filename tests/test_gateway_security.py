@@ -200,7 +200,8 @@ def test_drain_takes_the_only_replica_out_of_rotation(stack: Stack) -> None:
     assert httpx.post(f"{stack.gateway.url}/admin/replicas/nope/drain", headers=admin).status_code == 404
     try:
         drained = httpx.post(drain_url, headers=admin, timeout=10)
-        assert drained.status_code == 200 and drained.json() == {"id": stack.replica_id, "drained": True}
+        assert drained.status_code == 200
+        assert drained.json() == {"id": stack.replica_id, "drained": True, "shared": True}
         before = stack.replica_requests()
         refused = stack.post("/v1/chat/completions", {"model": stack.model, **CHAT}, key=DATA_KEY)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "service_unavailable"
@@ -209,7 +210,7 @@ def test_drain_takes_the_only_replica_out_of_rotation(stack: Stack) -> None:
         assert row["drained"] and not row["healthy"]
     finally:
         undrained = httpx.delete(drain_url, headers=admin, timeout=10)
-    assert undrained.json() == {"id": stack.replica_id, "drained": False}
+    assert undrained.json() == {"id": stack.replica_id, "drained": False, "shared": True}
     assert stack.post("/v1/chat/completions", {"model": stack.model, **CHAT}, key=DATA_KEY).status_code == 200
 
 

@@ -320,12 +320,14 @@ def test_heartbeat_tracks_load_and_stop_deregisters(
             await until(load_is(running="0"))
             await until(lambda: in_sync(client, publisher, engine))
             assert redis_blocks(client)
+            client.sadd(KEYS.drained, REPLICA, "another-replica")  # an admin drained it (and another)
 
             await publisher.stop()
             stopped = True
             assert not publisher.connected
             assert not client.exists(KEYS.heartbeat(REPLICA), KEYS.blocks(REPLICA))
             assert client.smembers(KEYS.replicas) == set()
+            assert client.smembers(KEYS.drained) == {b"another-replica"}, "a drain ends with its replica"
             events = stream(client, engine.served_model_name)
             assert events[-1].kind is EventKind.CLEARED and events[-1].epoch == publisher.epoch
             assert replay(events) == (publisher.epoch, set())

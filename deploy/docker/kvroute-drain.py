@@ -3,8 +3,9 @@
 
 1. Resolve every ``--gateway HOST:PORT`` to all its addresses (a headless Service name yields
    every gateway pod) and ``POST /admin/replicas/{id}/drain`` on each with the admin key: every
-   gateway stops sending new requests here. The drained set lives in each gateway's memory, so
-   each gateway pod must be told, not just one behind the load-balanced Service.
+   gateway stops sending new requests here. Gateways share drains through Redis, so one would
+   do; telling each pod also covers a gateway that cannot reach Redis at that moment (its reply
+   then says ``"shared": false``).
 2. Wait ``--settle`` seconds for requests routed just before the drain, then poll the replica's
    own ``/metrics`` until ``vllm:num_requests_running`` and ``vllm:num_requests_waiting`` are both
    0, or ``--timeout`` passes.
