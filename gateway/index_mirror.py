@@ -162,6 +162,9 @@ class IndexMirror:
     """Mirrors the replicas' heartbeats and block sets from Redis into a ``BlockIndex``.
 
     ``poll_interval``: seconds between heartbeat polls, and between retries while Redis is away.
+    ``prune_after``: seconds a registered replica may go without a heartbeat before its entry in
+    the replicas set and its blocks set are deleted (it crashed; one that was only cut off from
+    Redis registers again with its next heartbeat).
     ``block_ms``: the longest one XREAD blocks. ``read_count``: entries per stream per XREAD.
     ``registry``: where the ``kvroute_index_*`` metrics go (a private one if None).
     """
@@ -175,6 +178,7 @@ class IndexMirror:
         block_ms: int = 200,
         read_count: int = 1000,
         socket_timeout: float = 2.0,
+        prune_after: float = 600.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
         if poll_interval <= 0 or block_ms < 1 or read_count < 1:
@@ -186,6 +190,7 @@ class IndexMirror:
         self.block_ms = block_ms
         self.read_count = read_count
         self.socket_timeout = socket_timeout
+        self.prune_after = prune_after
         self.keys = Keys(prefix)
         self.index = BlockIndex()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -197,6 +202,7 @@ class IndexMirror:
         self._stream_models: dict[str, str] = {}  # stream key -> model
         self._gap_models: set[str] = set()
         self._bad_heartbeats: set[str] = set()  # replica ids already warned about
+        self._silent_since: dict[str, float] = {}  # registered ids without a heartbeat: first seen so
         self._gauged_models: set[str] = set()
         self._run_id: str | None = None
         self._stale = True
@@ -347,7 +353,9 @@ class IndexMirror:
             log.warning("Redis restarted (run id changed); bootstrapping the index again")
             full = True
         ids = sorted(member.decode() for member in members)
-        live = {rid: info for rid, info in (await self._heartbeats(ids)).items() if info is not None}
+        heartbeats = await self._heartbeats(ids)
+        live = {rid: info for rid, info in heartbeats.items() if info is not None}
+        await self._prune_silent([rid for rid, info in heartbeats.items() if info is None])
         models = {info.model for info in live.values()}
         if full:
             booting = models
@@ -399,6 +407,23 @@ class IndexMirror:
         self._outage_reported = False
         self._set_stale(False)
         self._next_poll = asyncio.get_running_loop().time() + self.poll_interval
+
+    async def _prune_silent(self, silent: list[str]) -> None:
+        """Deletes the registrations of replicas silent for ``prune_after`` seconds, as this mirror
+        saw it: a crashed replica leaves its id and blocks set behind, and ids that change (a
+        Kubernetes pod's address) would otherwise pile up and be read on every poll."""
+        now = asyncio.get_running_loop().time()
+        self._silent_since = {rid: self._silent_since.get(rid, now) for rid in silent}
+        expired = [rid for rid, since in self._silent_since.items() if now - since >= self.prune_after]
+        if not expired:
+            return
+        async with self._client().pipeline(transaction=False) as pipe:
+            pipe.srem(self.keys.replicas, *expired)
+            pipe.delete(*(self.keys.blocks(rid) for rid in expired))
+            await pipe.execute()
+        for rid in expired:
+            del self._silent_since[rid]
+        log.info("pruned registrations silent for %gs: %s", self.prune_after, ", ".join(expired))
 
     async def _heartbeats(self, ids: list[str]) -> dict[str, ReplicaInfo | None]:
         async with self._client().pipeline(transaction=False) as pipe:

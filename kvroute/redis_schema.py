@@ -3,8 +3,8 @@
 Keys (``prefix`` defaults to ``kvroute``):
 
 - ``{prefix}:replicas``: SET of registered replica ids. A replica removes itself on graceful
-  shutdown; a crashed one's id stays until it comes back (ids are stable per advertised URL, so
-  the set stays bounded) and readers skip any id whose heartbeat has expired.
+  shutdown; a crashed one's id stays until it comes back or a gateway prunes it (with its blocks
+  set) after ten minutes without a heartbeat, and readers skip any id whose heartbeat has expired.
 - ``{prefix}:replica:{id}``: HASH heartbeat with a TTL (``HEARTBEAT_FIELDS``).
 - ``{prefix}:blocks:{id}``: SET of the block hashes the replica holds in its current epoch, each an
   8-byte little-endian unsigned integer.

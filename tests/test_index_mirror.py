@@ -330,6 +330,37 @@ def test_dead_replica_is_dropped_when_its_heartbeat_expires(redis_server: RedisS
     run(scenario())
 
 
+def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None:
+    """A crashed replica leaves its id and blocks set in Redis; after ``prune_after`` without a
+    heartbeat the mirror deletes them, and a replica that comes back registers again."""
+
+    async def scenario() -> None:
+        redis = Redis.from_url(redis_server.url)
+        mirror = IndexMirror(redis_server.url, prefix=PREFIX, poll_interval=0.1, block_ms=50, prune_after=1.0)
+        await mirror.start()
+        crashed, alive = (SimReplica(redis_server.url, f"r{i}", "m", seed=i) for i in range(2))
+        for replica in (crashed, alive):
+            await replica.publisher.start()
+            await replica.churn(20)
+        keys = Keys(PREFIX)
+        try:
+            await wait_until(lambda: len(mirror.replicas()) == 2, 5, "both replicas")
+            await crashed.crash()
+            await wait_until(lambda: len(mirror.replicas()) == 1, 3 * HEARTBEAT_TTL, "the crash to show")
+            # not at once: a replica cut off from Redis for a moment must not lose its blocks set
+            assert await redis.sismember(keys.replicas, "r0") and await redis.exists(keys.blocks("r0"))
+            await asyncio.sleep(1.5)
+            assert await redis.smembers(keys.replicas) == {b"r1"}
+            assert not await redis.exists(keys.blocks("r0"))
+            assert await views_agree(mirror, redis, [alive])
+        finally:
+            await mirror.stop()
+            await alive.publisher.stop()
+            await redis.aclose()
+
+    run(scenario())
+
+
 def test_redis_restart_both_sides_recover(redis_server: RedisServer) -> None:
     async def scenario() -> None:
         mirror = new_mirror(redis_server)
