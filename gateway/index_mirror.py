@@ -162,8 +162,8 @@ class IndexMirror:
     """Mirrors the replicas' heartbeats and block sets from Redis into a ``BlockIndex``.
 
     ``poll_interval``: seconds between heartbeat polls, and between retries while Redis is away.
-    ``prune_after``: seconds a registered replica may go without a heartbeat before its entry in
-    the replicas set and its blocks set are deleted (it crashed; one that was only cut off from
+    ``prune_after``: seconds a registered replica may go without a heartbeat before its entries in
+    the replicas and drained sets and its blocks set are deleted (it crashed; one that was only cut off from
     Redis registers again with its next heartbeat).
     ``block_ms``: the longest one XREAD blocks. ``read_count``: entries per stream per XREAD.
     ``registry``: where the ``kvroute_index_*`` metrics go (a private one if None).
@@ -419,6 +419,7 @@ class IndexMirror:
             return
         async with self._client().pipeline(transaction=False) as pipe:
             pipe.srem(self.keys.replicas, *expired)
+            pipe.srem(self.keys.drained, *expired)
             pipe.delete(*(self.keys.blocks(rid) for rid in expired))
             await pipe.execute()
         for rid in expired:

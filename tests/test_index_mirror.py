@@ -345,6 +345,7 @@ def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None
         keys = Keys(PREFIX)
         try:
             await wait_until(lambda: len(mirror.replicas()) == 2, 5, "both replicas")
+            await redis.sadd(keys.drained, "r0", "r1")
             await crashed.crash()
             await wait_until(lambda: len(mirror.replicas()) == 1, 3 * HEARTBEAT_TTL, "the crash to show")
             # not at once: a replica cut off from Redis for a moment must not lose its blocks set
@@ -352,6 +353,7 @@ def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None
             await asyncio.sleep(1.5)
             assert await redis.smembers(keys.replicas) == {b"r1"}
             assert not await redis.exists(keys.blocks("r0"))
+            assert await redis.smembers(keys.drained) == {b"r1"}
             assert await views_agree(mirror, redis, [alive])
         finally:
             await mirror.stop()
