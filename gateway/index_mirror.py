@@ -162,6 +162,9 @@ class IndexMirror:
     """Mirrors the replicas' heartbeats and block sets from Redis into a ``BlockIndex``.
 
     ``poll_interval``: seconds between heartbeat polls, and between retries while Redis is away.
+    ``restart_grace``: seconds the replicas known before Redis restarted empty stay in rotation
+    while they register again (each does within a heartbeat of Redis answering); without it the
+    gateway would know no replica, and answer 404, in between.
     ``prune_after``: seconds a registered replica may go without a heartbeat before its entries in
     the replicas and drained sets and its blocks set are deleted (it crashed; one that was only cut off from
     Redis registers again with its next heartbeat).
@@ -178,6 +181,7 @@ class IndexMirror:
         block_ms: int = 200,
         read_count: int = 1000,
         socket_timeout: float = 2.0,
+        restart_grace: float = 5.0,
         prune_after: float = 600.0,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -191,6 +195,8 @@ class IndexMirror:
         self.read_count = read_count
         self.socket_timeout = socket_timeout
         self.prune_after = prune_after
+        self.restart_grace = restart_grace
+        self._grace_until = 0.0  # loop time until which replicas missing from Redis are kept
         self.keys = Keys(prefix)
         self.index = BlockIndex()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -349,9 +355,11 @@ class IndexMirror:
             pipe.smembers(self.keys.drained)
             server, members, drained = await pipe.execute()
         run_id = server["run_id"]
-        if self._run_id is not None and run_id != self._run_id and not full:
+        now = asyncio.get_running_loop().time()
+        if self._run_id is not None and run_id != self._run_id:
             log.warning("Redis restarted (run id changed); bootstrapping the index again")
             full = True
+            self._grace_until = now + self.restart_grace
         ids = sorted(member.decode() for member in members)
         heartbeats = await self._heartbeats(ids)
         live = {rid: info for rid, info in heartbeats.items() if info is not None}
@@ -372,7 +380,10 @@ class IndexMirror:
         ]
         snapshots = await self._snapshots(reload)
 
+        in_grace = now < self._grace_until
         for rid in list(self._replicas):
+            if rid not in live and in_grace:
+                continue  # Redis restarted empty: it registers again within a heartbeat
             if rid not in live or (rid in snapshots and snapshots[rid][0] is None):
                 self._drop(rid)
         for model in list(self._streams):
