@@ -111,9 +111,11 @@ def test_concurrent_new_conversations_spread_and_then_stick(stack: Stack) -> Non
     ]
     for messages in conversations:
         messages.append({"role": "user", "content": "First question?"})
+    # Long enough answers that the two requests overlap even on a loaded machine (were the first
+    # done before the second is routed, the loads would tie and the choice be a coin flip).
     with ThreadPoolExecutor(2) as pool:
         first = list(
-            pool.map(lambda m: chat(stack, m, max_tokens=32, extra_body={"ignore_eos": True}), conversations)
+            pool.map(lambda m: chat(stack, m, max_tokens=256, extra_body={"ignore_eos": True}), conversations)
         )
     assert first[0][0] != first[1][0], "equal load: the two new conversations must not pile up"
     for (replica, reply), messages in zip(first, conversations, strict=True):
