@@ -49,11 +49,12 @@ from gateway.proxy import (
     open_upstream,
 )
 from gateway.routing import RoutePlan, Router
-from gateway.tokenizers import Prompt, TokenizerError, TokenizerRegistry
+from gateway.tokenizers import TokenizerError, TokenizerRegistry
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvroute.errors import APIError, internal_error, model_not_found
 from kvroute.http import http_error, openai_errors, read_body
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvroute.prompt_cache import Prompt
 from kvroute.redis_schema import DEFAULT_PREFIX
 from kvroute.tokenizer import TextTokenizer
 

@@ -17,9 +17,9 @@ from redis.exceptions import RedisError
 from gateway.health import ReplicaHealth
 from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.policies import Candidate, Decision, Policy, RouteRequest
-from gateway.tokenizers import Prompt
 from kvroute.blocks import model_seed
 from kvroute.errors import APIError
+from kvroute.prompt_cache import Prompt
 
 log = logging.getLogger("kvroute.gateway")
 

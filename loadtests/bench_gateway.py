@@ -541,7 +541,7 @@ def tokenization_table(t: dict[str, Any]) -> str:
             f"| tokenizing turn {t['turns']} of a {t['turns']}-turn chat, {t['prompt_tokens']:,} tokens "
             "| µs per request |",
             "|---|---|",
-            f"| from scratch (render + encode, as a replica does) | {t['from_scratch_us']:,.0f} |",
+            f"| from scratch (render + encode, no cache) | {t['from_scratch_us']:,.0f} |",
             f"| gateway, turn {t['turns'] - 1} cached (only the new turn encoded) "
             f"| {t['previous_turn_cached_us']:,.0f} |",
             f"| gateway, verbatim repeat | {t['verbatim_repeat_us']:,.0f} |",

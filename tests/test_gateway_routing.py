@@ -9,7 +9,7 @@ import time
 from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.policies import make_policy
 from gateway.routing import Router
-from gateway.tokenizers import Prompt
+from kvroute.prompt_cache import Prompt
 
 DECODE_WEIGHT = 10.0
 

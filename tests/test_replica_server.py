@@ -490,8 +490,10 @@ class _FailingEngine:
         self.tokenizer = tokenizer
         self.error = error
         self.generation_defaults: dict[str, Any] = {}
+        self.prompts: list[list[int]] = []  # every prompt it was given
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any:
+        self.prompts.append(list(prompt_token_ids))
         delta = ChoiceDelta(index=0, text="a", token_ids=[64], logprobs=None, finish_reason=None)
         yield RequestOutput(request_id, len(prompt_token_ids), 0, 1, [delta], finished=False)
         raise self.error
@@ -536,6 +538,31 @@ def test_engine_failure_is_a_clean_error(
             assert json.loads(error_event)["error"]["type"] == kind and done == "[DONE]"
 
     asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+
+
+def test_cached_prompt_ids_equal_a_fresh_encoding(tokenizer: TextTokenizer) -> None:
+    """Repeated and multi-turn prompts come from the prompt cache (whole, or the history's ids plus
+    the new turn's); the engine must get exactly the ids a fresh encoding gives."""
+    engine = _FailingEngine(tokenizer, EngineDeadError("stop after the first token"))
+    history = [
+        {"role": "system", "content": "You answer briefly. " * 20},
+        {"role": "user", "content": "First question?"},
+    ]
+    turns = [list(history)]
+    history += [{"role": "assistant", "content": "An answer."}, {"role": "user", "content": "And then?"}]
+    turns += [list(history), list(history)]  # the next turn, then the same again verbatim
+    text = "Once upon a time " * 30
+
+    async def scenario() -> None:
+        async with _in_process(engine) as session:
+            for messages in turns:
+                await session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+            for _ in range(2):
+                await session.post("/v1/completions", json={"model": MODEL, "prompt": text})
+
+    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    expected = [tokenizer.encode_chat(messages) for messages in turns] + [tokenizer.encode(text)] * 2
+    assert engine.prompts == expected
 
 
 def test_unexpected_exception_is_a_logged_500(
