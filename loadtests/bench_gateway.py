@@ -1,7 +1,10 @@
 """Gateway overhead: the same chat sent straight to a replica and through the gateway, same run.
 
-The replica serves a tiny random llama test model (``replica.test_models``) with ``max_tokens=1``:
-the fastest real engine response, i.e. the smallest possible engine response. Every request is
+The replica answers instantly: by default the ``sim`` backend with its ``instant`` profile (the real
+replica server, tokenizer, scheduler, radix cache and Redis reporter, with a forward pass that
+costs nothing), as the gateway issue asks; ``--replica-engine torch`` serves a tiny random llama
+test model instead (``replica.test_models``, the smallest real engine response). Either serves the
+tiny test model's tokenizer and config, with ``max_tokens=1``. Every request is
 the *same* 2,000-character chat (a fixed system + user message) on both sides: after the warm-up
 its prompt is in the replica's prefix cache for direct and gateway requests alike, so the cache
 favours neither side, and the gateway still tokenizes the whole prompt and walks its whole block
@@ -13,7 +16,7 @@ Measured, for non-streaming and streaming (``stream: true``, timed to the last b
    hits both; p50/p99 of each side, and gateway minus direct.
 2. **Proxy CPU per request**: utime+stime of the gateway process (``/proc/PID/stat``) around a
    batch of gateway requests, divided by its size (sequential batch, and the concurrent one).
-3. **Requests/s at concurrency 32** (one ``httpx.AsyncClient``, 32 workers), the sides' phases
+3. **Requests/s at concurrency 32** (one aiohttp session, 32 workers), the sides' phases
    alternated over several rounds; with the CPU share (% of one core) of the side's proxy, the
    replica and this load generator during each phase, since all share the machine's cores and the
    replica (a real engine) or the client may be the bottleneck rather than the gateway.
@@ -59,6 +62,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import uvloop
 
@@ -84,6 +88,12 @@ MODES = ("non_streaming", "streaming")
 SIDES = ("direct", "gateway", "sglang_router")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 START_TIMEOUT = 60.0
+
+REPLICA_ENGINES = {
+    "sim": "the sim backend, `instant` profile (a simulation: the real replica server, tokenizer, "
+    "scheduler and radix cache, a forward pass that costs nothing), tiny test model's tokenizer",
+    "torch": "tiny random llama test model on the torch engine, float32 (the smallest real engine response)",
+}
 
 # Targets.
 ADDED_P50_MS_TARGET = 0.5
@@ -116,6 +126,7 @@ class Settings:
     tokenize: int  # turn-10 variants timed per tokenization mode
     client: int  # requests per upstream client, concurrency and mode
     out: str
+    replica_engine: str  # a key of REPLICA_ENGINES
 
 
 def progress(message: str) -> None:
@@ -206,9 +217,12 @@ def gateway_sees_replica(url: str) -> bool:
     return bool(httpx.get(f"{url}/v1/models", timeout=1).json()["data"])
 
 
-def start_services(model_dir: Path, redis_url: str, workdir: Path, services: dict[str, Service]) -> None:
+def start_services(
+    model_dir: Path, engine: str, redis_url: str, workdir: Path, services: dict[str, Service]
+) -> None:
     """Fills ``services`` as it goes, so the caller's ``finally`` kills whatever did start."""
     port = free_port()
+    backend = ["--engine", "sim", "--profile", "instant"] if engine == "sim" else ["--dtype", "float32"]
     services["direct"] = Service(
         "replica",
         kvroute_command(
@@ -216,8 +230,7 @@ def start_services(model_dir: Path, redis_url: str, workdir: Path, services: dic
             port,
             "--model",
             str(model_dir),
-            "--dtype",
-            "float32",
+            *backend,
             "--kv-cache-tokens",
             "65536",
             "--redis",
@@ -261,18 +274,19 @@ def send_sync(client: httpx.Client, url: str, body: bytes, stream: bool) -> floa
     return elapsed
 
 
-async def send_async(client: httpx.AsyncClient, url: str, body: bytes) -> None:
-    async with client.stream("POST", url, content=body, headers=HEADERS) as response:
-        async for _ in response.aiter_raw():
-            pass
-    if response.status_code != 200:
-        raise RuntimeError(f"{url} answered {response.status_code}")
+async def send_async(client: aiohttp.ClientSession, url: str, body: bytes) -> None:
+    async with client.post(url, data=body, headers=HEADERS) as response:
+        await response.read()
+    if response.status != 200:
+        raise RuntimeError(f"{url} answered {response.status}")
 
 
 async def run_concurrent(url: str, body: bytes, count: int) -> float:
-    """Wall seconds for ``count`` requests from CONCURRENCY workers sharing one client."""
-    limits = httpx.Limits(max_connections=4 * CONCURRENCY, max_keepalive_connections=4 * CONCURRENCY)
-    async with httpx.AsyncClient(limits=limits, timeout=60) as client:
+    """Wall seconds for ``count`` requests from CONCURRENCY workers sharing one client (aiohttp:
+    httpx's pool costs ~2 ms of CPU a request at this concurrency, enough to be the bottleneck)."""
+    connector = aiohttp.TCPConnector(limit=4 * CONCURRENCY)
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
         await asyncio.gather(*(send_async(client, url, body) for _ in range(CONCURRENCY)))  # connect
         remaining = count
 
@@ -645,16 +659,17 @@ def preamble(report: dict[str, Any]) -> str:
             f"replica and redis-server; Python {m['python']}, httpx {m['httpx']}, uvicorn {m['uvicorn']} "
             f"(uvloop {m['uvloop']}, httptools {m['httptools']}); "
             f"sglang-router {m['sglang_router']}.",
-            "Replica: tiny random llama test model, float32, `max_tokens=1`: the smallest possible "
-            f"engine response. Request: the same {CHAT_CHARS:,}-character chat (system + user) every "
+            f"Replica: {REPLICA_ENGINES[s['replica_engine']]}, `max_tokens=1`. "
+            f"Request: the same {CHAT_CHARS:,}-character chat (system + user) every "
             "time on every side, so after the warm-up its prefix is cached for direct and gateway "
             "requests alike.",
             f"Concurrency 1: {s['sequential']} requests per side per mode, sides alternated "
             f"request by request after {s['warmup']} warm-up requests each. Concurrency {CONCURRENCY}: "
             f"{s['rounds']} round(s) of {s['concurrent']} requests per side, sides alternated; one "
-            "httpx.AsyncClient. Streaming is timed to the last byte. CPU from /proc/PID/stat "
-            "utime+stime. A replica or client CPU share near 100% means they, not the gateway, "
-            "capped requests/s; the CPU-bound ceiling is what one proxy process could carry.",
+            "aiohttp session (concurrency 1: one httpx.Client). Streaming is timed to the last byte. "
+            "CPU from /proc/PID/stat utime+stime. A replica or client CPU share near 100% means "
+            "they, not the gateway, capped requests/s; the CPU-bound ceiling is what one proxy "
+            "process could carry.",
             f"Command: `{report['command']}`",
         ]
     )
@@ -669,6 +684,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         description="Gateway overhead, direct vs through the gateway (needs redis-server).",
     )
     add_size_options(parser, FULL, QUICK, "results/bench_gateway.json")
+    parser.add_argument(
+        "--replica-engine",
+        choices=sorted(REPLICA_ENGINES),
+        default="sim",
+        help="sim: the instant simulated replica (default); torch: the tiny test model on the real engine",
+    )
     return parser.parse_args(argv)
 
 
@@ -676,7 +697,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
     sizes = chosen_sizes(args, FULL, QUICK)
     if min(sizes.values()) < 1:
         raise SystemExit("every size must be positive")
-    return Settings(out=args.out, **sizes)
+    return Settings(out=args.out, replica_engine=args.replica_engine, **sizes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,7 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             redis.start()
             progress("starting the replica and the gateway")
-            start_services(model_dir, redis.url, workdir, services)
+            start_services(model_dir, s.replica_engine, redis.url, workdir, services)
             results = {
                 mode: measure_mode(s, services, model_dir.name, stream=mode == "streaming") for mode in MODES
             }

@@ -68,5 +68,5 @@ def test_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
     table = capsys.readouterr().out
     assert table.strip() == report["table"].strip()
-    assert "smallest possible engine response" in table
+    assert "`instant` profile" in table and report["settings"]["replica_engine"] == "sim"
     assert ("not installed" in table) != report["sglang_router"]
