@@ -202,6 +202,7 @@ class IndexMirror:
         self.registry = registry if registry is not None else CollectorRegistry()
         self._metrics = _Metrics(self.registry, self.index)
         self._replicas: dict[str, ReplicaInfo] = {}
+        self._listed: dict[str | None, list[ReplicaInfo]] = {}  # replicas(model), until they change
         self.drained: frozenset[str] = frozenset()  # ids drained fleet-wide, as of the last poll
         self._epochs: dict[str, str] = {}  # the epoch the index holds for each replica
         self._streams: dict[str, _Stream] = {}  # model -> position
@@ -276,9 +277,14 @@ class IndexMirror:
         return self._stale
 
     def replicas(self, model: str | None = None) -> list[ReplicaInfo]:
-        """Live replicas (of ``model``), sorted by id, as of their last heartbeat."""
-        infos = sorted(self._replicas.values(), key=lambda info: info.replica_id)
-        return [info for info in infos if model is None or info.model == model]
+        """Live replicas (of ``model``), sorted by id, as of their last heartbeat (a shared list:
+        every request asks, and it changes only when a poll or a drop does)."""
+        listed = self._listed.get(model)
+        if listed is None:
+            infos = sorted(self._replicas.values(), key=lambda info: info.replica_id)
+            listed = [info for info in infos if model is None or info.model == model]
+            self._listed[model] = listed
+        return listed
 
     async def set_drained(self, replica_id: str, drained: bool) -> None:
         """Drains (or puts back) ``replica_id`` for every gateway sharing this Redis; this mirror
@@ -412,6 +418,7 @@ class IndexMirror:
             self._metrics.bootstraps.labels("start" if self._run_id is None else "resync").inc()
             log.info("index bootstrapped: %d replicas, %d blocks", self.index.num_replicas, self.index.size)
         self.drained = frozenset(member.decode() for member in drained)
+        self._listed.clear()
         self._update_replica_gauge()
         self._run_id = run_id
         self._full_bootstrap = False
@@ -491,6 +498,7 @@ class IndexMirror:
     def _drop(self, replica_id: str) -> None:
         self.index.remove_replica(replica_id)
         del self._replicas[replica_id]
+        self._listed.clear()
         self._epochs.pop(replica_id, None)
 
     def _update_replica_gauge(self) -> None:
