@@ -13,17 +13,18 @@ re-examines every connection several times per request); aiohttp's client costs 
 * A response read to its end gives its connection back to the pool; one closed early
   (:meth:`UpstreamResponse.close`) drops its connection, which tells the replica the client left,
   so it aborts the request and frees its pages.
-* A pooled connection that the replica closed while it sat idle fails before any byte of an
-  answer; that one request is retried on a new connection. Idle connections are dropped after
-  ``KEEPALIVE_S``, under uvicorn's 5 s keep-alive, so the race is rare. Every other failure is an
-  :class:`UpstreamError`.
+* A connection the replica closes before any byte of an answer (typically a pooled one it closed
+  while idle, just as the request went out) is retried once, on another connection; a second such
+  failure is an :class:`UpstreamError`, as is every other failure. Idle connections are dropped
+  after ``KEEPALIVE_S``, under uvicorn's 5 s keep-alive, so the race is rare. (aiohttp retries
+  only idempotent methods itself, and telling a reused connection from a new one takes a
+  ``TraceConfig``, which costs ~5% of the gateway's CPU on every request.)
 * Timeouts: ``connect_timeout`` to open a connection, ``read_timeout`` for each wait on the replica.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import SimpleNamespace
 
 import aiohttp
 
@@ -119,8 +120,6 @@ class UpstreamPool:
     def _client(self) -> aiohttp.ClientSession:
         """The session, made on first use: aiohttp binds it to the running event loop."""
         if self._session is None:
-            tracing = aiohttp.TraceConfig()
-            tracing.on_connection_reuseconn.append(_mark_reused)
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(
                     limit=self._max_in_use, limit_per_host=0, keepalive_timeout=KEEPALIVE_S
@@ -129,7 +128,6 @@ class UpstreamPool:
                 headers=self._headers,
                 auto_decompress=False,  # bytes go through to the client as the replica sent them
                 skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                trace_configs=[tracing],
             )
         return self._session
 
@@ -143,14 +141,11 @@ class UpstreamPool:
         target = url.rstrip("/") + path
         headers = {"Content-Type": content_type.decode("latin-1")}
         for attempt in (1, 2):
-            trace = SimpleNamespace(reused=False)
             try:
-                response = await self._client().post(
-                    target, data=body, headers=headers, trace_request_ctx=trace
-                )
+                response = await self._client().post(target, data=body, headers=headers)
             except aiohttp.ServerDisconnectedError as error:
-                if trace.reused and attempt == 1:
-                    continue  # closed by the replica while idle: a new connection will do
+                if attempt == 1:
+                    continue  # most likely closed by the replica while idle: a new connection will do
                 raise _upstream_error(error, self.read_timeout) from None
             except (aiohttp.ClientError, TimeoutError) as error:
                 raise _upstream_error(error, self.read_timeout) from None
@@ -164,12 +159,6 @@ class UpstreamPool:
         if self._session is not None:
             await self._session.close()
             self._session = None
-
-
-async def _mark_reused(
-    session: aiohttp.ClientSession, context: SimpleNamespace, params: aiohttp.TraceConnectionReuseconnParams
-) -> None:
-    context.trace_request_ctx.reused = True
 
 
 def _upstream_error(error: BaseException, read_timeout: float) -> UpstreamError:
