@@ -90,14 +90,23 @@ def test_queued_load_counts_only_the_uncached_tail(engine: LLMEngine) -> None:
     assert engine.stats().waiting_prefill_tokens == 0
 
 
+def cold_prefill_under_way(
+    make_engine: EngineFactory, seed: int, cold_tokens: int, max_num_seqs: int
+) -> tuple[LLMEngine, list[int]]:
+    """A 64-token-budget engine holding a cached 100-token prompt (returned) and running the first
+    chunk of a cold prompt, request "cold"."""
+    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=max_num_seqs)
+    prompt = random_prompt(100, seed=seed)
+    engine.add_request("warm-up", prompt, ONE_TOKEN)
+    run_all(engine)
+    engine.add_request("cold", random_prompt(cold_tokens, seed=seed + 1), GREEDY)
+    engine.step()  # the cold prompt's first 64-token chunk
+    return engine, prompt
+
+
 def test_a_cache_hit_jumps_ahead_of_a_long_prefill(make_engine: EngineFactory) -> None:
     """A hit's few uncached tokens go into the next step, not after every chunk of a cold prompt."""
-    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=8)
-    prompt = random_prompt(100, seed=40)
-    engine.add_request("warm-up", prompt, GREEDY)
-    run_all(engine)
-    engine.add_request("cold", random_prompt(600, seed=41), GREEDY)
-    engine.step()  # the cold prompt's first 64-token chunk
+    engine, prompt = cold_prefill_under_way(make_engine, seed=40, cold_tokens=600, max_num_seqs=8)
     engine.add_request("hit", [*prompt[:96], *random_prompt(10, seed=42)], GREEDY)
     first = {out.request_id for out in engine.step() for delta in out.deltas if delta.token_ids}
     assert first == {"hit"}, "the hit got its first token while the cold prompt is still prefilling"
@@ -109,12 +118,7 @@ def test_a_cache_hit_jumps_ahead_of_a_long_prefill(make_engine: EngineFactory) -
 
 def test_a_stream_of_cache_hits_cannot_starve_a_long_prefill(make_engine: EngineFactory) -> None:
     """Hits go first, but a prefill under way still advances at least a page every step."""
-    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=64)
-    prompt = random_prompt(100, seed=50)
-    engine.add_request("warm-up", prompt, ONE_TOKEN)
-    run_all(engine)
-    engine.add_request("cold", random_prompt(300, seed=51), GREEDY)
-    engine.step()  # its first chunk
+    engine, prompt = cold_prefill_under_way(make_engine, seed=50, cold_tokens=300, max_num_seqs=64)
     cold = next(seq for seq in engine.scheduler.running if seq.request_id == "cold")
     for i in range(6):
         before = cold.num_computed
