@@ -13,7 +13,8 @@ chain in the index (every block matches: the longest lookup).
 Measured, for non-streaming and streaming (``stream: true``, timed to the last byte) chats:
 
 1. **Added latency** at concurrency 1: direct and gateway requests strictly alternated, so drift
-   hits both; p50/p99 of each side, and gateway minus direct.
+   hits both; p50/p99 of each side, and gateway minus direct (sglang-router gets its own
+   alternation with direct requests, never interleaved with the gateway's).
 2. **Proxy CPU per request**: utime+stime of the gateway process (``/proc/PID/stat``) around a
    batch of gateway requests, divided by its size (sequential batch, and the concurrent one).
 3. **Requests/s at concurrency 32** (one aiohttp session, 32 workers), the sides' phases
@@ -262,23 +263,43 @@ def start_services(
 HEADERS = {"content-type": "application/json"}
 
 
-def send_sync(client: httpx.Client, url: str, body: bytes, stream: bool) -> float:
+async def send_async(client: aiohttp.ClientSession, url: str, body: bytes) -> float:
     """Seconds until the last byte of the response."""
     start = time.perf_counter()
-    with client.stream("POST", url, content=body, headers=HEADERS) as response:
-        for _ in response.iter_raw():
-            pass
+    async with client.post(url, data=body, headers=HEADERS) as response:
+        content = await response.read()
         elapsed = time.perf_counter() - start
-    if response.status_code != 200:
-        raise RuntimeError(f"{url} answered {response.status_code}: {response.read()[:300]!r}")
+    if response.status != 200:
+        raise RuntimeError(f"{url} answered {response.status}: {content[:300]!r}")
     return elapsed
 
 
-async def send_async(client: aiohttp.ClientSession, url: str, body: bytes) -> None:
-    async with client.post(url, data=body, headers=HEADERS) as response:
-        await response.read()
-    if response.status != 200:
-        raise RuntimeError(f"{url} answered {response.status}")
+async def run_sequential(
+    s: Settings, services: dict[str, Service], urls: dict[str, str], body: bytes
+) -> tuple[dict[str, list[float]], dict[str, float]]:
+    """Concurrency 1: for each proxy in turn, direct and proxy requests strictly alternated. Returns
+    the latencies (the proxy's under its name, the direct ones alternated with it under
+    ``direct:<name>``) and each proxy's CPU seconds over its own loop.
+
+    A proxy is paired with direct requests only, not with the other proxy: sglang-router holds a
+    stream ~40 ms, and requests sent right after such a pause find caches and cores gone cold.
+    """
+    latencies: dict[str, list[float]] = {}
+    cpu: dict[str, float] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
+        for proxy in (name for name in urls if name != "direct"):
+            pair = ("direct", proxy)
+            for _ in range(s.warmup):
+                for name in pair:
+                    await send_async(client, urls[name], body)
+            samples: dict[str, list[float]] = {"direct": [], proxy: []}
+            before = services[proxy].cpu_seconds()
+            for i in range(s.sequential):
+                for name in pair if i % 2 == 0 else pair[::-1]:
+                    samples[name].append(await send_async(client, urls[name], body))
+            cpu[proxy] = services[proxy].cpu_seconds() - before
+            latencies[f"direct:{proxy}"], latencies[proxy] = samples["direct"], samples[proxy]
+    return latencies, cpu
 
 
 async def run_concurrent(url: str, body: bytes, count: int) -> float:
@@ -326,20 +347,10 @@ def measure_mode(s: Settings, services: dict[str, Service], model: str, stream: 
     proxies = sides[1:]  # the gateway, and sglang-router when installed
     mode = "streaming" if stream else "non-streaming"
 
-    # 1. concurrency 1, sides strictly alternated; each proxy's CPU is read around the whole loop
-    # (other sides' requests leave it idle but for its background tasks, counted against it).
-    progress(f"{mode}: {s.sequential} sequential requests per side, alternated")
-    latencies: dict[str, list[float]] = {name: [] for name in sides}
-    with httpx.Client(timeout=60) as client:
-        for _ in range(s.warmup):
-            for name in sides:
-                send_sync(client, urls[name], body, stream)
-        cpu_before = {name: services[name].cpu_seconds() for name in proxies}
-        for i in range(s.sequential):
-            order = sides if i % 2 == 0 else sides[::-1]
-            for name in order:
-                latencies[name].append(send_sync(client, urls[name], body, stream))
-        cpu_sequential = {name: services[name].cpu_seconds() - cpu_before[name] for name in proxies}
+    # 1. concurrency 1, each proxy alternated with direct requests
+    progress(f"{mode}: {s.sequential} sequential requests per proxy and as many direct, alternated")
+    latencies, cpu_sequential = uvloop.run(run_sequential(s, services, urls, body))
+    latencies["direct"] = latencies["direct:gateway"]  # the direct column: those paired with the gateway
 
     # 2. concurrency 32, one phase per side per round, sides alternated across rounds.
     progress(f"{mode}: {s.rounds} round(s) of {s.concurrent} requests per side at concurrency {CONCURRENCY}")
@@ -365,8 +376,9 @@ def measure_mode(s: Settings, services: dict[str, Service], model: str, stream: 
             name: {key: 100 * seconds / walls[name] for key, seconds in cpu[name].items()} for name in sides
         },
     }
-    for name in sides[1:]:
-        added = {q: result["latency_ms"][name][q] - result["latency_ms"]["direct"][q] for q in ("p50", "p99")}
+    for name in proxies:
+        paired = quantiles_ms(latencies[f"direct:{name}"])
+        added = {q: result["latency_ms"][name][q] - paired[q] for q in ("p50", "p99")}
         result.setdefault("added_ms", {})[name] = added
     result["cpu_us_per_request"] = {
         name: {
@@ -663,10 +675,11 @@ def preamble(report: dict[str, Any]) -> str:
             f"Request: the same {CHAT_CHARS:,}-character chat (system + user) every "
             "time on every side, so after the warm-up its prefix is cached for direct and gateway "
             "requests alike.",
-            f"Concurrency 1: {s['sequential']} requests per side per mode, sides alternated "
-            f"request by request after {s['warmup']} warm-up requests each. Concurrency {CONCURRENCY}: "
+            f"Concurrency 1: {s['sequential']} requests per proxy, alternated request by request with "
+            f"as many direct ones (each proxy paired with direct only) after {s['warmup']} warm-up "
+            f"pairs. Concurrency {CONCURRENCY}: "
             f"{s['rounds']} round(s) of {s['concurrent']} requests per side, sides alternated; one "
-            "aiohttp session (concurrency 1: one httpx.Client). Streaming is timed to the last byte. "
+            "aiohttp session (concurrency 1 too). Streaming is timed to the last byte. "
             "CPU from /proc/PID/stat utime+stime. A replica or client CPU share near 100% means "
             "they, not the gateway, capped requests/s; the CPU-bound ceiling is what one proxy "
             "process could carry.",
