@@ -209,7 +209,7 @@ class IndexMirror:
         self._stream_models: dict[str, str] = {}  # stream key -> model
         self._gap_models: set[str] = set()
         self._bad_heartbeats: set[str] = set()  # replica ids already warned about
-        self._silent_since: dict[str, float] = {}  # registered ids without a heartbeat: first seen so
+        self._silent_since: dict[str, float] = {}  # registered ids without a heartbeat -> first seen
         self._gauged_models: set[str] = set()
         self._run_id: str | None = None
         self._stale = True
@@ -369,7 +369,7 @@ class IndexMirror:
         ids = sorted(member.decode() for member in members)
         heartbeats = await self._heartbeats(ids)
         live = {rid: info for rid, info in heartbeats.items() if info is not None}
-        await self._prune_silent([rid for rid, info in heartbeats.items() if info is None])
+        await self._prune_silent([rid for rid, info in heartbeats.items() if info is None], now)
         models = {info.model for info in live.values()}
         if full:
             booting = models
@@ -426,11 +426,10 @@ class IndexMirror:
         self._set_stale(False)
         self._next_poll = asyncio.get_running_loop().time() + self.poll_interval
 
-    async def _prune_silent(self, silent: list[str]) -> None:
+    async def _prune_silent(self, silent: list[str], now: float) -> None:
         """Deletes the registrations of replicas silent for ``prune_after`` seconds, as this mirror
         saw it: a crashed replica leaves its id and blocks set behind, and ids that change (a
         Kubernetes pod's address) would otherwise pile up and be read on every poll."""
-        now = asyncio.get_running_loop().time()
         self._silent_since = {rid: self._silent_since.get(rid, now) for rid in silent}
         expired = [rid for rid, since in self._silent_since.items() if now - since >= self.prune_after]
         if not expired:

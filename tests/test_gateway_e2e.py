@@ -138,24 +138,28 @@ def _metric(replica: ReplicaProcess, name: str, label: str = "") -> float:
     )
 
 
+def _long_talk(stack: Stack, content: str, **fields: object) -> dict[str, object]:
+    """A chat the replica would spend a long while answering (2,000 tokens, EOS ignored)."""
+    messages = [{"role": "user", "content": content}]
+    return {"model": stack.model, "messages": messages, "max_tokens": 2000, "ignore_eos": True, **fields}
+
+
+def _wait_until_idle(replicas: list[ReplicaProcess]) -> None:
+    deadline = time.monotonic() + 20
+    while sum(_metric(r, "vllm:num_requests_running") for r in replicas) != 0:
+        assert time.monotonic() < deadline, "the replica kept generating after the client left"
+        time.sleep(0.05)
+
+
 def test_a_client_leaving_mid_stream_aborts_the_replica_request(stack: Stack) -> None:
-    body = {
-        "model": stack.model,
-        "messages": [{"role": "user", "content": "Talk for a long while."}],
-        "max_tokens": 2000,
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = _long_talk(stack, "Talk for a long while.", stream=True)
     generated = {r.port: _metric(r, "vllm:generation_tokens_total") for r in stack.replicas}
     with httpx.stream("POST", f"{stack.gateway.url}/v1/chat/completions", json=body, timeout=30) as response:
         assert response.status_code == 200
         served_by = response.headers["x-kvroute-replica"]
         replica = next(r for r in stack.replicas if f"127.0.0.1:{r.port}" == served_by)
         assert next(line for line in response.iter_lines() if line.startswith("data: {"))
-    deadline = time.monotonic() + 20
-    while _metric(replica, "vllm:num_requests_running") != 0:
-        assert time.monotonic() < deadline, "the replica kept generating after the client left"
-        time.sleep(0.05)
+    _wait_until_idle([replica])
     assert _metric(replica, "vllm:generation_tokens_total") - generated[replica.port] < 1000
 
 
@@ -166,19 +170,11 @@ def _aborted(stack: Stack) -> float:
 
 def test_a_client_leaving_before_a_whole_reply_aborts_the_replica_request(stack: Stack) -> None:
     """Non-streaming: the client gives up while the replica is still generating."""
-    body = {
-        "model": stack.model,
-        "messages": [{"role": "user", "content": "Talk for a long while, then stop."}],
-        "max_tokens": 2000,
-        "ignore_eos": True,
-    }
+    body = _long_talk(stack, "Talk for a long while, then stop.")
     aborted = _aborted(stack)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{stack.gateway.url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.3))
-    deadline = time.monotonic() + 20
-    while sum(_metric(r, "vllm:num_requests_running") for r in stack.replicas) != 0:
-        assert time.monotonic() < deadline, "the replica kept generating after the client left"
-        time.sleep(0.05)
+    _wait_until_idle(stack.replicas)
     assert _aborted(stack) == aborted + 1
 
 
