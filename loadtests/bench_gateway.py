@@ -508,6 +508,13 @@ async def client_cpu_us(kind: str, url: str, body: bytes, concurrency: int, requ
             await response.aread()
             await response.aclose()
 
+    elif kind == "aiohttp":
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024))
+
+        async def one() -> None:
+            async with session.post(url, data=body, headers=HEADERS) as response:
+                await response.read()
+
     else:
         pool = UpstreamPool()
 
@@ -527,7 +534,7 @@ async def client_cpu_us(kind: str, url: str, body: bytes, concurrency: int, requ
     start = time.thread_time()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     used = time.thread_time() - start
-    await (client.aclose() if kind == "httpx" else pool.aclose())
+    await (client.aclose() if kind == "httpx" else session.close() if kind == "aiohttp" else pool.aclose())
     return 1e6 * used / requests
 
 
@@ -536,11 +543,11 @@ def measure_upstream_clients(requests: int) -> dict[str, dict[str, float]]:
     url = f"http://127.0.0.1:{server.port}"
     out: dict[str, dict[str, float]] = {}
     try:
-        for kind in ("httpx", "gateway.upstream"):
+        for kind in ("httpx", "aiohttp", "gateway.upstream"):
             for mode in MODES:
                 body = chat_body("m", stream=mode == "streaming")
                 for concurrency in (1, CONCURRENCY):
-                    target = url + "/v1/chat/completions" if kind == "httpx" else url
+                    target = url if kind == "gateway.upstream" else url + "/v1/chat/completions"
                     cpu = uvloop.run(client_cpu_us(kind, target, body, concurrency, requests))
                     out.setdefault(kind, {})[f"{mode}.c{concurrency}"] = cpu
     finally:
