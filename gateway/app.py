@@ -52,7 +52,7 @@ from gateway.routing import RoutePlan, Router
 from gateway.tokenizers import TokenizerError, TokenizerRegistry
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvroute.errors import APIError, internal_error, model_not_found
-from kvroute.http import http_error, openai_errors, read_body
+from kvroute.http import FastPosts, http_error, openai_errors, read_body
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvroute.prompt_cache import Prompt
 from kvroute.redis_schema import DEFAULT_PREFIX
@@ -425,24 +425,6 @@ async def _unless_client_leaves(request: Request, opening: Coroutine[Any, Any, U
     raise ClientDisconnect()
 
 
-class _Dispatch:
-    """Sends the generation endpoints' POSTs to the plain-ASGI path, everything else to Starlette."""
-
-    def __init__(self, api: _GatewayAPI, app: ASGIApp) -> None:
-        self.api = api
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] not in _GENERATION_PATHS:
-            await self.app(scope, receive, send)
-        elif scope["method"] == "POST":
-            await self.api.serve_generation(scope, receive, send)
-        else:
-            response = APIError("Method Not Allowed", 405).to_response()
-            response.headers["allow"] = "POST"
-            await response(scope, receive, send)
-
-
 def build_app(settings: GatewaySettings) -> ASGIApp:
     """The gateway app; its lifespan starts the index mirror and closes the upstream pools."""
     if settings.metrics_key_required and not (settings.api_keys or settings.admin_key):
@@ -464,7 +446,7 @@ def build_app(settings: GatewaySettings) -> ASGIApp:
 
     routes = Starlette(routes=api.routes(), lifespan=lifespan, exception_handlers={HTTPException: http_error})
     return GatewayAuth(
-        _Dispatch(api, routes),
+        FastPosts(routes, dict.fromkeys(_GENERATION_PATHS, api.serve_generation)),
         api_keys=settings.api_keys,
         admin_key=settings.admin_key,
         metrics_key_required=settings.metrics_key_required,

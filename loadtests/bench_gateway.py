@@ -17,7 +17,8 @@ Measured, for non-streaming and streaming (``stream: true``, timed to the last b
    alternation with direct requests, never interleaved with the gateway's).
 2. **Proxy CPU per request**: utime+stime of the gateway process (``/proc/PID/stat``) around a
    batch of gateway requests, divided by its size (sequential batch, and the concurrent one).
-3. **Requests/s at concurrency 32** (one aiohttp session, 32 workers), the sides' phases
+3. **Requests/s at concurrency 32** (32 workers sharing one client: ``gateway.upstream``, the
+   cheapest of the clients in 5, since the load generator shares the cores), the sides' phases
    alternated over several rounds; with the CPU share (% of one core) of the side's proxy, the
    replica and this load generator during each phase, since all share the machine's cores and the
    replica (a real engine) or the client may be the bottleneck rather than the gateway.
@@ -32,7 +33,8 @@ front of the same replica, its CPU too); otherwise its column says "not installe
    cached (what the gateway does on a chat's next turn: only the new turn is tokenized), and for a
    verbatim repeat.
 5. **The upstream HTTP client alone**: CPU µs per request of the client the gateway proxies with
-   (``gateway.upstream``, on aiohttp) and of httpx, the client it replaced there, each POSTing the
+   (``gateway.upstream``: a Protocol per connection around httptools' parser), of aiohttp (the client it
+   replaced there) and of httpx (the one before), each POSTing the
    2,000-character chat to an instant HTTP server (canned answer, its own thread and event loop) on uvloop, at
    concurrency 1 and 32, non-streaming and streaming; CPU is this thread's alone.
 
@@ -261,14 +263,15 @@ def start_services(
 # -- requests ------------------------------------------------------------------------------------
 
 HEADERS = {"content-type": "application/json"}
+CHAT_PATH = "/v1/chat/completions"
 
 
-async def send_async(client: aiohttp.ClientSession, url: str, body: bytes) -> float:
+async def send_async(client: UpstreamPool, url: str, body: bytes) -> float:
     """Seconds until the last byte of the response."""
     start = time.perf_counter()
-    async with client.post(url, data=body, headers=HEADERS) as response:
-        content = await response.read()
-        elapsed = time.perf_counter() - start
+    response = await client.post(url, CHAT_PATH, body, b"application/json")
+    content = await response.read()
+    elapsed = time.perf_counter() - start
     if response.status != 200:
         raise RuntimeError(f"{url} answered {response.status}: {content[:300]!r}")
     return elapsed
@@ -286,40 +289,42 @@ async def run_sequential(
     """
     latencies: dict[str, list[float]] = {}
     cpu: dict[str, float] = {}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as client:
-        for proxy in (name for name in urls if name != "direct"):
-            pair = ("direct", proxy)
-            for _ in range(s.warmup):
-                for name in pair:
-                    await send_async(client, urls[name], body)
-            samples: dict[str, list[float]] = {"direct": [], proxy: []}
-            before = services[proxy].cpu_seconds()
-            for i in range(s.sequential):
-                for name in pair if i % 2 == 0 else pair[::-1]:
-                    samples[name].append(await send_async(client, urls[name], body))
-            cpu[proxy] = services[proxy].cpu_seconds() - before
-            latencies[f"direct:{proxy}"], latencies[proxy] = samples["direct"], samples[proxy]
+    client = UpstreamPool(read_timeout=60)
+    for proxy in (name for name in urls if name != "direct"):
+        pair = ("direct", proxy)
+        for _ in range(s.warmup):
+            for name in pair:
+                await send_async(client, urls[name], body)
+        samples: dict[str, list[float]] = {"direct": [], proxy: []}
+        before = services[proxy].cpu_seconds()
+        for i in range(s.sequential):
+            for name in pair if i % 2 == 0 else pair[::-1]:
+                samples[name].append(await send_async(client, urls[name], body))
+        cpu[proxy] = services[proxy].cpu_seconds() - before
+        latencies[f"direct:{proxy}"], latencies[proxy] = samples["direct"], samples[proxy]
+    await client.aclose()
     return latencies, cpu
 
 
 async def run_concurrent(url: str, body: bytes, count: int) -> float:
-    """Wall seconds for ``count`` requests from CONCURRENCY workers sharing one client (aiohttp:
-    httpx's pool costs ~2 ms of CPU a request at this concurrency, enough to be the bottleneck)."""
-    connector = aiohttp.TCPConnector(limit=4 * CONCURRENCY)
-    timeout = aiohttp.ClientTimeout(total=60)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client:
-        await asyncio.gather(*(send_async(client, url, body) for _ in range(CONCURRENCY)))  # connect
-        remaining = count
+    """Wall seconds for ``count`` requests from CONCURRENCY workers sharing one client: the
+    gateway's own upstream client, the cheapest here (14 µs of CPU a request against aiohttp's
+    55, httpx's ~2 ms; table 5), since the load generator shares the cores with what it measures."""
+    client = UpstreamPool(read_timeout=60)
+    await asyncio.gather(*(send_async(client, url, body) for _ in range(CONCURRENCY)))  # connect
+    remaining = count
 
-        async def worker() -> None:
-            nonlocal remaining
-            while remaining > 0:
-                remaining -= 1
-                await send_async(client, url, body)
+    async def worker() -> None:
+        nonlocal remaining
+        while remaining > 0:
+            remaining -= 1
+            await send_async(client, url, body)
 
-        start = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
-        return time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(CONCURRENCY)))
+    elapsed = time.perf_counter() - start
+    await client.aclose()
+    return elapsed
 
 
 def quantiles_ms(samples: list[float]) -> dict[str, float]:
@@ -343,7 +348,7 @@ def self_cpu_seconds() -> float:
 def measure_mode(s: Settings, services: dict[str, Service], model: str, stream: bool) -> dict[str, Any]:
     body = chat_body(model, stream)
     sides = [name for name in SIDES if name in services]
-    urls = {name: f"{services[name].url}/v1/chat/completions" for name in sides}
+    urls = {name: services[name].url for name in sides}
     proxies = sides[1:]  # the gateway, and sglang-router when installed
     mode = "streaming" if stream else "non-streaming"
 
@@ -364,7 +369,7 @@ def measure_mode(s: Settings, services: dict[str, Service], model: str, stream: 
     for r in range(s.rounds):
         for name in sides if r % 2 == 0 else sides[::-1]:
             before = cpu_now(name)
-            walls[name] += asyncio.run(run_concurrent(urls[name], body, s.concurrent))
+            walls[name] += uvloop.run(run_concurrent(urls[name], body, s.concurrent))
             for key, b, a in zip(("proxy", "replica", "client"), before, cpu_now(name), strict=True):
                 cpu[name][key] += a - b
     total = s.rounds * s.concurrent
@@ -519,7 +524,7 @@ async def client_cpu_us(kind: str, url: str, body: bytes, concurrency: int, requ
         pool = UpstreamPool()
 
         async def one() -> None:
-            response = await pool.post(url, "/v1/chat/completions", body, b"application/json")
+            response = await pool.post(url, CHAT_PATH, body, b"application/json")
             await response.read()
 
     remaining = requests
@@ -547,7 +552,7 @@ def measure_upstream_clients(requests: int) -> dict[str, dict[str, float]]:
             for mode in MODES:
                 body = chat_body("m", stream=mode == "streaming")
                 for concurrency in (1, CONCURRENCY):
-                    target = url if kind == "gateway.upstream" else url + "/v1/chat/completions"
+                    target = url if kind == "gateway.upstream" else url + CHAT_PATH
                     cpu = uvloop.run(client_cpu_us(kind, target, body, concurrency, requests))
                     out.setdefault(kind, {})[f"{mode}.c{concurrency}"] = cpu
     finally:
@@ -685,8 +690,9 @@ def preamble(report: dict[str, Any]) -> str:
             f"Concurrency 1: {s['sequential']} requests per proxy, alternated request by request with "
             f"as many direct ones (each proxy paired with direct only) after {s['warmup']} warm-up "
             f"pairs. Concurrency {CONCURRENCY}: "
-            f"{s['rounds']} round(s) of {s['concurrent']} requests per side, sides alternated; one "
-            "aiohttp session (concurrency 1 too). Streaming is timed to the last byte. "
+            f"{s['rounds']} round(s) of {s['concurrent']} requests per side, sides alternated; the "
+            "load generator is the gateway's own upstream client (concurrency 1 too). "
+            "Streaming is timed to the last byte. "
             "CPU from /proc/PID/stat utime+stime. A replica or client CPU share near 100% means "
             "they, not the gateway, capped requests/s; the CPU-bound ceiling is what one proxy "
             "process could carry.",

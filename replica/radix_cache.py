@@ -66,8 +66,10 @@ class RadixCache:
 
     def _walk(self, token_ids: Sequence[int], max_pages: int) -> list[RadixNode]:
         size, node, matched = self.page_size, self.root, []
-        for start in range(0, min(max_pages, len(token_ids) // size) * size, size):
-            child = node.children.get(tuple(token_ids[start : start + size]))
+        pages = min(max_pages, len(token_ids) // size)
+        ids = tuple(token_ids[: pages * size])  # one conversion; its slices are the children's keys
+        for start in range(0, pages * size, size):
+            child = node.children.get(ids[start : start + size])
             if child is None:
                 break
             matched.append(child)

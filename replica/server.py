@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.main import STARTUP_FAILURE
 
 from kvroute.errors import APIError, model_not_found
-from kvroute.http import Handler, http_error, openai_errors, read_body
+from kvroute.http import FastPosts, Handler, asgi_endpoint, http_error, openai_errors, read_body
 from kvroute.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,10 +59,15 @@ class _ReplicaAPI:
         self.serving = OpenAIServing(engine, self.metrics)
         self.created = int(time.time())
 
+    def generation_endpoints(self) -> dict[str, ASGIApp]:
+        """The two hot endpoints, served past Starlette's routing layers (see ``FastPosts``)."""
+        return {
+            "/v1/chat/completions": asgi_endpoint(openai_errors(self.chat)),
+            "/v1/completions": asgi_endpoint(openai_errors(self.completions)),
+        }
+
     def routes(self) -> list[Route]:
         endpoints: list[tuple[str, Handler, str]] = [
-            ("/v1/chat/completions", self.chat, "POST"),
-            ("/v1/completions", self.completions, "POST"),
             ("/v1/models", self.models, "GET"),
             ("/v1/models/{model:path}", self.model, "GET"),
             ("/tokenize", self.tokenize, "POST"),
@@ -226,6 +231,7 @@ def build_app(
 
     api = _ReplicaAPI(engine, max_body_bytes)
     middleware = [] if not api_key else [Middleware(_SharedKeyAuth, key=api_key)]
+    middleware.append(Middleware(FastPosts, posts=api.generation_endpoints()))
     app = Starlette(
         routes=api.routes(),
         middleware=middleware,

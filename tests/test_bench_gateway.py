@@ -62,7 +62,7 @@ def test_quick_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert 3 * tokenization["previous_turn_cached_us"] < tokenization["from_scratch_us"]
     clients = report["upstream_clients"]
     cases = {f"{mode}.c{c}" for mode in bench_gateway.MODES for c in (1, bench_gateway.CONCURRENCY)}
-    assert clients.keys() == {"httpx", "gateway.upstream"}
+    assert clients.keys() == {"httpx", "aiohttp", "gateway.upstream"}
     assert all(row.keys() == cases and min(row.values()) > 0 for row in clients.values())
     assert all(isinstance(c["passed"], bool) for c in report["checks"])
 
