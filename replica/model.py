@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from replica.attention import AttentionBatch, paged_attention
 from replica.linear import Linear
 from replica.model_config import ModelConfig
-from replica.rotary import RotaryEmbedding, apply_rotary
+from replica.rotary import RotaryEmbedding, rotate_
 from replica.weights import iter_tensors
 
 
@@ -89,7 +89,6 @@ class DecoderLM:
         cos, sin = self.rotary.tables(positions)
         tokens = input_ids.shape[0]
         for index, layer in enumerate(self.layers):
-            residual = hidden
             h = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
             # q, k and v heads side by side: [tokens, heads + 2 * kv_heads, head_dim]
             qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, cfg.head_dim)
@@ -98,15 +97,13 @@ class DecoderLM:
                 qkv[:, heads : heads + kv_heads] = rms_norm(
                     qkv[:, heads : heads + kv_heads], layer.k_norm, cfg.rms_norm_eps
                 )
-            query_key = qkv[:, : heads + kv_heads]
-            query_key.copy_(apply_rotary(query_key, cos, sin))
+            rotate_(qkv[:, : heads + kv_heads], cos, sin)
             new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, cfg.head_dim)
             attn = paged_attention(qkv[:, :heads], new_kv, kv_cache[index], batch)
-            hidden = residual + layer.o(attn.reshape(tokens, self.q_size))
-            residual = hidden
+            hidden = hidden + layer.o(attn.reshape(tokens, self.q_size))
             h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            hidden = residual + layer.down(F.silu(gate) * up)
+            hidden = hidden + layer.down(F.silu(gate) * up)
         return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
