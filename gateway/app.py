@@ -19,7 +19,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +42,6 @@ from gateway.metrics import GatewayMetrics, ReplicaStats
 from gateway.policies import make_policy
 from gateway.proxy import (
     SSERelay,
-    Upstream,
     UpstreamUnavailable,
     cached_tokens,
     forwarded_body,
@@ -52,7 +51,7 @@ from gateway.routing import RoutePlan, Router
 from gateway.tokenizers import TokenizerError, TokenizerRegistry
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from kvroute.errors import APIError, internal_error, model_not_found
-from kvroute.http import FastPosts, http_error, openai_errors, read_body
+from kvroute.http import FastPosts, http_error, openai_errors, read_body, unless_client_leaves
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvroute.prompt_cache import Prompt
 from kvroute.redis_schema import DEFAULT_PREFIX
@@ -233,7 +232,10 @@ class _GatewayAPI:
             # A whole reply can take minutes: a client that leaves meanwhile cancels it, which
             # closes the replica connection, so the replica aborts the request (a stream's client
             # is watched the same way in _stream).
-            upstream = await (opening if body.stream else _unless_client_leaves(request, opening))
+            if body.stream:
+                upstream = await opening
+            elif (upstream := await unless_client_leaves(request.receive, opening)) is None:
+                raise ClientDisconnect()
         except UpstreamUnavailable as error:
             self.router.done(ticket)
             self._report_failures(route.ordered, error.failures)
@@ -402,27 +404,6 @@ class _GatewayAPI:
 
     async def prometheus(self, request: Request) -> Response:
         return Response(generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-async def _unless_client_leaves(request: Request, opening: Coroutine[Any, Any, Upstream]) -> Upstream:
-    """Awaits ``opening``, or cancels it and raises :class:`ClientDisconnect` if the client leaves
-    first (its body has been read, so the server's next message is the disconnect)."""
-    task = asyncio.ensure_future(opening)
-    client_left = asyncio.ensure_future(request.receive())
-    try:
-        await asyncio.wait((task, client_left), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        task.cancel()
-        raise
-    finally:
-        client_left.cancel()
-    if task.done():
-        return task.result()
-    task.cancel()
-    await asyncio.wait((task,))
-    if not task.cancelled() and task.exception() is None:
-        task.result().response.close()  # it came in just as the client left
-    raise ClientDisconnect()
 
 
 def build_app(settings: GatewaySettings) -> ASGIApp:

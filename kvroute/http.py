@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -18,6 +20,7 @@ log = logging.getLogger("kvroute.http")
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "client went away"; nobody reads it
 
 Handler = Callable[[Request], Awaitable[Response]]
+T = TypeVar("T")
 
 
 def openai_errors(handler: Handler) -> Handler:
@@ -71,6 +74,40 @@ def asgi_endpoint(handler: Handler) -> ASGIApp:
         await response(scope, receive, send)
 
     return app
+
+
+async def _disconnected(receive: Receive) -> None:
+    """Returns once the client hangs up (the body has been read, so only that message is left)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_client_leaves(receive: Receive, work: Awaitable[T]) -> T | None:
+    """Awaits ``work`` in this task, cancelling it if the client hangs up first; then None.
+
+    The replica's engine requests and the gateway's upstream requests abort on that cancellation.
+    One watcher task a request, and none for ``work`` itself: cheaper than racing two tasks.
+    """
+    task = asyncio.current_task()
+    assert task is not None
+    watching = True
+
+    def client_left(watcher: asyncio.Future[None]) -> None:
+        if watching and not watcher.cancelled():
+            task.cancel()
+
+    watcher = asyncio.ensure_future(_disconnected(receive))
+    watcher.add_done_callback(client_left)
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if not watcher.done() or watcher.cancelled():
+            raise  # cancelled from outside
+        task.uncancel()
+        return None
+    finally:
+        watching = False
+        watcher.cancel()
 
 
 async def http_error(request: Request, exc: Exception) -> Response:

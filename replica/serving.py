@@ -16,17 +16,17 @@ import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvroute.errors import APIError, internal_error
-from kvroute.http import CLIENT_CLOSED_REQUEST
+from kvroute.http import CLIENT_CLOSED_REQUEST, unless_client_leaves
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, Prompt
 from kvroute.prompt_cache import PromptEncoder
 from kvroute.tokenizer import TextTokenizer
@@ -39,7 +39,6 @@ log = logging.getLogger("kvroute.replica")
 
 _MIN_LOGPROB = -9999.0  # JSON has no -inf; vLLM reports impossible tokens with this value
 _DONE = "data: [DONE]\n\n"
-T = TypeVar("T")
 
 
 # --- engine side: one API request = several engine requests ------------------------------------
@@ -349,7 +348,7 @@ class _EventStream(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await _unless_disconnected(receive, self._send_events(send))
+            await unless_client_leaves(receive, self._send_events(send))
         except OSError:
             pass  # the client left while we sent (ASGI servers of spec 2.4 and later say so)
         finally:
@@ -371,37 +370,6 @@ async def _collect(shape: _Shape, generation: _Generation) -> Response:
     except Exception as error:
         return _as_api_error(error).to_response()
     return JSONResponse(shape.response(choices, generation.usage()))
-
-
-async def _disconnected(receive: Receive) -> None:
-    """Returns once the client hangs up (the body has been read, so only that message is left)."""
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(receive: Receive, work: Awaitable[T]) -> T | None:
-    """Awaits ``work`` in this task, cancelling it (and so its engine requests) if the client
-    hangs up first; then None. (One watcher task a request: no task for ``work`` itself.)"""
-    task = asyncio.current_task()
-    assert task is not None
-    watching = True
-
-    def client_left(watcher: asyncio.Future[None]) -> None:
-        if watching and not watcher.cancelled():
-            task.cancel()
-
-    watcher = asyncio.ensure_future(_disconnected(receive))
-    watcher.add_done_callback(client_left)
-    try:
-        return await work
-    except asyncio.CancelledError:
-        if not watcher.done() or watcher.cancelled():
-            raise  # cancelled from outside
-        task.uncancel()
-        return None
-    finally:
-        watching = False
-        watcher.cancel()
 
 
 # --- the handlers --------------------------------------------------------------------------------
@@ -452,7 +420,7 @@ class OpenAIServing:
         generation = _Generation(self.engine, self.metrics, shape.id, specs)
         if stream:
             return _EventStream(_sse_events(shape, generation))
-        response = await _unless_disconnected(raw.receive, _collect(shape, generation))
+        response = await unless_client_leaves(raw.receive, _collect(shape, generation))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
