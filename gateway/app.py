@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
@@ -54,7 +55,7 @@ from kvroute.errors import APIError, internal_error, model_not_found
 from kvroute.http import FastPosts, http_error, openai_errors, read_body, unless_client_leaves
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from kvroute.prompt_cache import Prompt
-from kvroute.redis_schema import DEFAULT_PREFIX
+from kvroute.redis_schema import DEFAULT_PREFIX, GATEWAY_ID_HEADER
 from kvroute.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvroute.gateway")
@@ -100,13 +101,16 @@ class _GatewayAPI:
         if settings.max_queue is not None:
             policy_settings["max_queue"] = settings.max_queue
         self.metrics = GatewayMetrics(registry)
-        auth = {"authorization": f"Bearer {settings.replica_key}"} if settings.replica_key else None
+        auth = {"authorization": f"Bearer {settings.replica_key}"} if settings.replica_key else {}
+        self.gateway_id = secrets.token_hex(8)  # replicas report this gateway's share of their load
         self.http = httpx.AsyncClient(  # everything but proxying: tokenizer fetches, discovery, probes
             timeout=httpx.Timeout(settings.upstream_timeout_s, connect=2.0),
             limits=httpx.Limits(max_connections=256, max_keepalive_connections=16),
             headers=auth,
         )
-        self.upstream = UpstreamPool(read_timeout=settings.upstream_timeout_s, headers=auth)
+        self.upstream = UpstreamPool(
+            read_timeout=settings.upstream_timeout_s, headers={**auth, GATEWAY_ID_HEADER: self.gateway_id}
+        )
         self.tokenizers = TokenizerRegistry(self.http, cache_bytes=settings.tokenizer_cache_bytes)
         self.replica_health = ReplicaHealth(
             self.http,
@@ -140,7 +144,14 @@ class _GatewayAPI:
                 log.warning("policy %s needs the Redis index; routing least-loaded instead", policy.name)
         use_index = self.settings.redis_url is not None
         health = self.replica_health
-        return Router(self.mirror, policy, health=health, load_policy=load_policy, use_index=use_index)
+        return Router(
+            self.mirror,
+            policy,
+            health=health,
+            load_policy=load_policy,
+            use_index=use_index,
+            gateway_id=self.gateway_id,
+        )
 
     async def _prompt(
         self, tokenizer: TextTokenizer, body: ChatCompletionRequest | CompletionRequest
@@ -225,7 +236,7 @@ class _GatewayAPI:
         # Count the request on the winner before awaiting anything: decisions taken meanwhile (a
         # burst of requests with one new prefix) must see its load and its predicted blocks.
         replica = route.ordered[0]
-        ticket = self._commit(route, replica, len(prompt))
+        ticket = self._commit(route, replica, len(prompt), body.num_sequences)
         try:
             urls = [r.url for r in route.ordered]
             opening = open_upstream(self.upstream, urls, path, forward, whole=not body.stream)
@@ -249,7 +260,7 @@ class _GatewayAPI:
         if upstream.url != replica.url:  # retried elsewhere: move the count and the prediction
             self.router.done(ticket)
             replica = next(r for r in route.ordered if r.url == upstream.url)
-            ticket = self._commit(route, replica, len(prompt))
+            ticket = self._commit(route, replica, len(prompt), body.num_sequences)
         response = upstream.response
         predicted = route.predicted_tokens.get(replica.replica_id, 0)
         model = self.metrics.model(body.model)
@@ -320,6 +331,8 @@ class _GatewayAPI:
             async with aclosing(aiter(relay)) as events:
                 try:
                     async for events_read in events:
+                        if relay.finished:  # out of flight before the client can send its next turn
+                            self.router.done(ticket)
                         await send({"type": "http.response.body", "body": events_read, "more_body": True})
                 except UpstreamError as error:
                     broken = str(error)
@@ -352,11 +365,11 @@ class _GatewayAPI:
             metrics.e2e.observe(time.monotonic() - started)
             self._count_cached(model, replica.replica_id, predicted, relay.usage)
 
-    def _commit(self, route: RoutePlan, replica: ReplicaInfo, prompt_tokens: int) -> int:
+    def _commit(self, route: RoutePlan, replica: ReplicaInfo, prompt_tokens: int, sequences: int) -> int:
         """Marks the prompt's blocks as predicted on ``replica`` and counts it in flight there."""
         self.mirror.predict(replica.replica_id, route.hashes, self.settings.prediction_ttl_s)
         predicted = route.predicted_tokens.get(replica.replica_id, 0)
-        return self.router.sent(replica.replica_id, prompt_tokens - predicted)
+        return self.router.sent(replica.replica_id, prompt_tokens - predicted, sequences)
 
     def _report_failures(self, tried: list[ReplicaInfo], failures: list[tuple[str, str]]) -> None:
         by_url = {info.url: info for info in tried}

@@ -44,7 +44,14 @@ from redis.exceptions import RedisError
 
 from gateway.block_index import BlockIndex, PrefixMatch
 from kvroute.blocks import PROTOCOL_VERSION
-from kvroute.redis_schema import DEFAULT_PREFIX, EventKind, Keys, decode_event, unpack_hashes
+from kvroute.redis_schema import (
+    DEFAULT_PREFIX,
+    EventKind,
+    Keys,
+    decode_event,
+    decode_gateway_loads,
+    unpack_hashes,
+)
 
 log = logging.getLogger("kvroute.gateway.mirror")
 
@@ -85,6 +92,9 @@ class ReplicaInfo:
     waiting: int
     waiting_prefill_tokens: int
     ts: float  # unix time of the heartbeat
+    # each gateway's share of running, waiting and waiting_prefill_tokens (by gateway id); None
+    # from a replica that does not report shares
+    gateways: Mapping[str, tuple[int, int, int]] | None = None
 
     @classmethod
     def from_heartbeat(cls, replica_id: str, fields: Mapping[bytes, bytes]) -> ReplicaInfo:
@@ -109,6 +119,7 @@ class ReplicaInfo:
             waiting=int(text("waiting")),
             waiting_prefill_tokens=int(text("waiting_prefill_tokens")),
             ts=float(text("ts")),
+            gateways=decode_gateway_loads(fields.get(b"gateways")),
         )
 
 

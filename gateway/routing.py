@@ -1,7 +1,8 @@
 """From a tokenized prompt to an ordered list of replicas: index lookup, load, policy.
 
-The gateway's own in-flight requests count as load only until the replica's next heartbeat,
-which already includes them (as running or waiting sequences).
+A replica's load is its last heartbeat corrected for this gateway's own traffic since
+(:func:`candidate_for`): requests sent after it are added, requests that finished after it are
+taken out.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class _InFlight:
     replica_id: str
     sent_at: float  # unix time, comparable with heartbeat ``ts``
     uncached_tokens: int
+    sequences: int  # engine sequences it makes: prompts x n
 
 
 class _ReplicaFlights:
@@ -36,10 +38,11 @@ class _ReplicaFlights:
     come and go, so routing reads them in O(1)): all of them, and those sent after ``since``, the
     time of the heartbeat last asked about."""
 
-    __slots__ = ("flights", "pending", "pending_tokens", "since", "tokens")
+    __slots__ = ("flights", "pending", "pending_tokens", "sequences", "since", "tokens")
 
     def __init__(self) -> None:
         self.flights: dict[int, _InFlight] = {}
+        self.sequences = 0
         self.tokens = 0
         self.since = 0.0
         self.pending = 0
@@ -47,18 +50,64 @@ class _ReplicaFlights:
 
     def count(self, flight: _InFlight, sign: int) -> None:
         """Adds (sign 1) or takes away (-1) one flight in the totals."""
+        self.sequences += sign * flight.sequences
         self.tokens += sign * flight.uncached_tokens
         if flight.sent_at > self.since:
-            self.pending += sign
+            self.pending += sign * flight.sequences
             self.pending_tokens += sign * flight.uncached_tokens
 
     def since_heartbeat(self, ts: float) -> tuple[int, int]:
-        """Requests sent after the heartbeat stamped ``ts``, and their uncached tokens."""
+        """Sequences sent after the heartbeat stamped ``ts``, and their uncached tokens."""
         if ts != self.since:
             self.since = ts
-            later = [flight.uncached_tokens for flight in self.flights.values() if flight.sent_at > ts]
-            self.pending, self.pending_tokens = len(later), sum(later)
+            later = [flight for flight in self.flights.values() if flight.sent_at > ts]
+            self.pending = sum(flight.sequences for flight in later)
+            self.pending_tokens = sum(flight.uncached_tokens for flight in later)
         return self.pending, self.pending_tokens
+
+
+_NO_SHARE = (0, 0, 0)
+
+
+def candidate_for(
+    info: ReplicaInfo,
+    gateway_id: str,
+    flights: _ReplicaFlights | None,
+    *,
+    cached_blocks: int,
+    predicted_blocks: int,
+    cache_comparable: bool,
+) -> Candidate:
+    """The replica's load as of now, as far as this gateway's own traffic goes.
+
+    Its heartbeat (up to a poll plus a heartbeat old) still counts this gateway's requests that
+    have finished since: without taking them out, the replica that just answered a chat looks
+    busy and the chat's next turn leaves it. The heartbeat names this gateway's share of it
+    (``gateways``), so: the heartbeat, less that share, plus what of the share is still in flight
+    here (requests that finished are gone from both), plus what was sent after it.
+    """
+    after, after_tokens = (0, 0) if flights is None else flights.since_heartbeat(info.ts)
+    before = before_tokens = 0  # sent before the heartbeat and still in flight
+    if flights is not None and info.gateways is not None:  # None: a replica that names no shares
+        before, before_tokens = flights.sequences - after, flights.tokens - after_tokens
+    share = (info.gateways or {}).get(gateway_id, _NO_SHARE)
+    share_running, share_waiting, share_prefill = share
+    # Which of the share's sequences are still live is unknown: count waiting ones first (the queue
+    # cap looks at them), and any not in the share at all (in transit then) as waiting too.
+    still_waiting = min(share_waiting, before)
+    still_running = min(share_running, before - still_waiting)
+    return Candidate(
+        replica_id=info.replica_id,
+        waiting_prefill_tokens=max(0, info.waiting_prefill_tokens - share_prefill)
+        + min(share_prefill, before_tokens),
+        running=max(0, info.running - share_running) + still_running,
+        waiting=max(0, info.waiting - share_waiting) + before - still_running,
+        inflight=after,
+        inflight_prefill_tokens=after_tokens,
+        cached_blocks=cached_blocks,
+        predicted_blocks=predicted_blocks,
+        cache_comparable=cache_comparable,
+    )
 
 
 @dataclass
@@ -75,7 +124,8 @@ class Router:
     """``health`` (optional) supplies the ejected set and the static replicas. ``load_policy``
     routes while the index cannot be trusted (Redis down, or no Redis at all): it sees load from
     this gateway's own in-flight counters only, as heartbeat figures are stale then.
-    ``use_index=False``: no Redis, replicas come from ``health``'s static list alone."""
+    ``use_index=False``: no Redis, replicas come from ``health``'s static list alone.
+    ``gateway_id``: what this gateway sends replicas as ``x-kvroute-gateway``."""
 
     def __init__(
         self,
@@ -85,8 +135,10 @@ class Router:
         health: ReplicaHealth | None = None,
         load_policy: Policy | None = None,
         use_index: bool = True,
+        gateway_id: str = "",
     ) -> None:
         self.mirror = mirror
+        self.gateway_id = gateway_id  # how replicas' heartbeats name this gateway's share
         self.policy = policy
         self.health = health
         self.load_policy = load_policy or policy
@@ -176,18 +228,13 @@ class Router:
         for info in replicas:
             match = matches.get(info.replica_id)
             comparable = info.fingerprint == fingerprint and info.block_size == block_size
-            flights = self._flights.get(info.replica_id)
-            count, tokens = (0, 0) if flights is None else flights.since_heartbeat(info.ts)
             candidates.append(
-                Candidate(
-                    replica_id=info.replica_id,
+                candidate_for(
+                    info,
+                    self.gateway_id,
+                    self._flights.get(info.replica_id),
                     cached_blocks=match.confirmed if match and comparable else 0,
                     predicted_blocks=match.with_predicted if match and comparable else 0,
-                    waiting_prefill_tokens=info.waiting_prefill_tokens,
-                    running=info.running,
-                    waiting=info.waiting,
-                    inflight=count,
-                    inflight_prefill_tokens=tokens,
                     cache_comparable=comparable,
                 )
             )
@@ -207,7 +254,7 @@ class Router:
         candidates = []
         for info in replicas:
             flights = self._flights.get(info.replica_id)
-            count, tokens = (0, 0) if flights is None else (len(flights.flights), flights.tokens)
+            count, tokens = (0, 0) if flights is None else (flights.sequences, flights.tokens)
             candidates.append(
                 Candidate(
                     replica_id=info.replica_id,
@@ -241,11 +288,11 @@ class Router:
         predicted = {s.replica_id: s.matched_tokens for s in decision.scores}
         return RoutePlan(decision, [by_id[rid] for rid in order], hashes, predicted)
 
-    def sent(self, replica_id: str, uncached_tokens: int) -> int:
+    def sent(self, replica_id: str, uncached_tokens: int, sequences: int = 1) -> int:
         """Records a request in flight to ``replica_id``; returns the ticket to pass to ``done``."""
         self._next_ticket += 1
         ticket = self._next_ticket
-        flight = _InFlight(replica_id, time.time(), uncached_tokens)
+        flight = _InFlight(replica_id, time.time(), uncached_tokens, sequences)
         flights = self._flights.get(replica_id)
         if flights is None:
             flights = self._flights[replica_id] = _ReplicaFlights()

@@ -206,6 +206,11 @@ class _GenerationRequest(_TopLevel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def num_sequences(self) -> int:
+        """Engine sequences the request makes (a batch of completions prompts makes n each)."""
+        return self.n * len(getattr(self, "prompt", ())) or self.n
+
     def check(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError(
@@ -297,6 +302,11 @@ class CompletionRequest(_GenerationRequest):
             "expected a string, an array of strings, an array of token ids (integers >= 0) "
             "or an array of non-empty token-id arrays",
         )
+
+    @property
+    def num_sequences(self) -> int:
+        """One engine request per prompt of the batch, each with n choices."""
+        return self.n * len(self.prompt)
 
     def check(self) -> None:
         super().check()

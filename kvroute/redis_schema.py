@@ -20,6 +20,8 @@ from that id converges on the truth.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -72,8 +74,35 @@ HEARTBEAT_FIELDS = (
     "running",  # sequences running
     "waiting",  # sequences waiting for admission
     "waiting_prefill_tokens",  # prompt tokens not yet computed
+    "gateways",  # JSON {gateway id: [running, waiting, waiting_prefill_tokens]}: each gateway's share
     "ts",  # unix time of this heartbeat, seconds (float)
 )
+
+GATEWAY_ID_HEADER = "x-kvroute-gateway"
+"""Sent by a gateway on every request to a replica, naming itself for the heartbeat's ``gateways``."""
+
+_GATEWAY_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+def is_gateway_id(value: str) -> bool:
+    """Gateway ids are short and plain, so a heartbeat can carry them without escaping."""
+    return _GATEWAY_ID.fullmatch(value) is not None
+
+
+def encode_gateway_loads(loads: Mapping[str, tuple[int, int, int]]) -> str:
+    """``{gateway id: (running, waiting, waiting_prefill_tokens)}`` as the heartbeat's JSON field."""
+    return json.dumps({gateway: list(load) for gateway, load in loads.items()}, separators=(",", ":"))
+
+
+def decode_gateway_loads(raw: bytes | None) -> dict[str, tuple[int, int, int]] | None:
+    """The heartbeat's ``gateways`` field; None when absent (a replica that reports no shares)."""
+    if raw is None:
+        return None
+    loads = json.loads(raw)
+    if not isinstance(loads, dict):
+        raise ValueError(f"heartbeat field gateways is not an object: {raw!r}")
+    return {gateway: (int(r), int(w), int(p)) for gateway, (r, w, p) in loads.items()}
+
 
 # Stream entry fields.
 EVENT_FIELDS = (

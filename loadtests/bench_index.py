@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 import numpy as np
 import redis
@@ -131,6 +131,7 @@ class _IdleEngine:
     waiting_prefill_tokens: int = 0
     kv_total_pages: int = 65_536
     kv_used_pages: int = 0
+    by_source: ClassVar[dict[str, Any]] = {}
 
 
 def idle_stats() -> EngineStats:

@@ -75,14 +75,19 @@ class AsyncEngine:
             await asyncio.to_thread(self._thread.join)
 
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        source: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's progress; stopping early (aclose, cancellation) aborts it."""
+        """Yields the request's progress; stopping early (aclose, cancellation) aborts it.
+        ``source`` names the gateway that sent it (reported per gateway in the heartbeat)."""
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = stream
-        self._inbox.put(("add", request_id, prompt_token_ids, params))
+        self._inbox.put(("add", request_id, prompt_token_ids, params, source))
         self._wakeup.set()
         finished = False
         try:
@@ -141,9 +146,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if command[0] == "add":
-                _, request_id, prompt, params = command
+                _, request_id, prompt, params, source = command
                 try:
-                    self.engine.add_request(request_id, prompt, params)
+                    self.engine.add_request(request_id, prompt, params, source)
                 except ValueError as error:
                     self._post([(request_id, error)])
             elif command[0] == "reset":

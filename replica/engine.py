@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -25,7 +25,7 @@ from replica.model_config import ModelConfig
 from replica.outputs import ChoiceDelta, RequestOutput, TokenLogprob
 from replica.radix_cache import RadixCache
 from replica.sampling_params import SamplingParams
-from replica.scheduler import ScheduledBatch, Scheduler
+from replica.scheduler import ScheduledBatch, Scheduler, SourceLoad
 from replica.sequence import Sequence, SequenceStatus
 from replica.stop_text import StopTextTracker
 
@@ -51,6 +51,7 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    by_source: dict[str, SourceLoad] = field(default_factory=dict)  # running/waiting per gateway
 
 
 @dataclass
@@ -146,7 +147,13 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        source: str | None = None,
+    ) -> None:
         if request_id in self._requests:
             raise ValueError(f"duplicate request id {request_id!r}")
         if not prompt_token_ids:
@@ -158,7 +165,7 @@ class LLMEngine:
             )
         if max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
-        seqs = [self._new_sequence(request_id, i, prompt_token_ids, params) for i in range(params.n)]
+        seqs = [self._new_sequence(request_id, i, prompt_token_ids, params, source) for i in range(params.n)]
         for seq in seqs[1:]:
             seq.wait_for = seqs[0]
         for seq in seqs:
@@ -166,7 +173,12 @@ class LLMEngine:
         self._requests[request_id] = _Request(request_id, seqs, len(prompt_token_ids))
 
     def _new_sequence(
-        self, request_id: str, index: int, prompt: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        index: int,
+        prompt: list[int],
+        params: SamplingParams,
+        source: str | None = None,
     ) -> Sequence:
         generator = None
         if not params.greedy:
@@ -174,7 +186,7 @@ class LLMEngine:
             generator = self.runner.generator((seed + index * _SEED_MIX) % 2**63)
         stream = self.tokenizer.decode_stream(skip_special_tokens=params.skip_special_tokens)
         text = StopTextTracker(stream, params.stop)
-        return Sequence(request_id, index, prompt, params, generator, text, self.cache.root)
+        return Sequence(request_id, index, prompt, params, generator, text, self.cache.root, source)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stops a request and frees its pages; returns its final output if it was still live."""
@@ -281,6 +293,7 @@ class LLMEngine:
             prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits,
             num_preemptions=sched.num_preemptions,
+            by_source=sched.load_by_source(),
         )
 
 

@@ -2,10 +2,12 @@
 
 Two asyncio tasks on the server's event loop, never on the engine thread:
 
-- the publish loop drains the radix cache's outbox every ``batch_interval``, applies every event to
-  ``blocks`` (the publisher's own exact copy of the cache's hashes), and writes each batch to
-  Redis as the blocks-set update *and* the stream entry in one MULTI/EXEC, so a reader never sees
-  one without the other;
+- the publish loop drains the radix cache's outbox as soon as it has events, but at most once per
+  ``batch_interval`` (so a chat's last pages are indexed before its next turn can arrive, and a
+  busy engine still costs one write per interval), applies every event to ``blocks`` (the
+  publisher's own exact copy of the cache's hashes), and writes each batch to Redis as the
+  blocks-set update *and* the stream entry in one MULTI/EXEC, so a reader never sees one without
+  the other;
 - the heartbeat loop refreshes the heartbeat hash, whose TTL makes a silently dead replica vanish.
 
 All writes go through one lock, so a heartbeat can never land with an epoch older than a CLEARED
@@ -35,7 +37,14 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvroute.blocks import PROTOCOL_VERSION
-from kvroute.redis_schema import DEFAULT_PREFIX, EventKind, Keys, encode_event, hash_member
+from kvroute.redis_schema import (
+    DEFAULT_PREFIX,
+    EventKind,
+    Keys,
+    encode_event,
+    encode_gateway_loads,
+    hash_member,
+)
 from replica.kv_events import KVEvent, KVEventKind, KVEventOutbox
 
 if TYPE_CHECKING:
@@ -66,7 +75,7 @@ class PublisherConfig:
     prefix: str = DEFAULT_PREFIX
     heartbeat_interval: float = 0.5  # seconds
     heartbeat_ttl: float = 2.0  # seconds; the heartbeat vanishes this long after the last refresh
-    batch_interval: float = 0.05  # seconds between outbox drains
+    batch_interval: float = 0.02  # the shortest time between two outbox drains, seconds
     max_batch_hashes: int = 4096  # hashes per MULTI/EXEC and per stream entry
     stream_maxlen: int = 100_000  # approximate MAXLEN of the model's event stream
     socket_timeout: float = 2.0  # seconds: connect, and any one transaction (plus SECONDS_PER_HASH)
@@ -141,6 +150,7 @@ class KVPublisher:
         self._redis: Redis | None = None
         self._lock = asyncio.Lock()
         self._stopping = asyncio.Event()
+        self._has_events = asyncio.Event()  # set (from the engine thread) when the outbox fills
         self._tasks: list[asyncio.Task[None]] = []
         self._deregistration: asyncio.Task[None] | None = None
 
@@ -167,6 +177,8 @@ class KVPublisher:
             socket_timeout=None,  # each transaction has its own deadline, sized to its work
             retry=Retry(NoBackoff(), 0),  # a failed write means "resync", never a blind re-send
         )
+        loop = asyncio.get_running_loop()
+        self._outbox.notify = lambda: loop.call_soon_threadsafe(self._has_events.set)
         self._apply(self._outbox.drain())
         await self._resync()
         self._tasks = [
@@ -184,6 +196,7 @@ class KVPublisher:
 
     async def _deregister(self) -> None:
         self._stopping.set()
+        self._outbox.notify = None
         for task in self._tasks:
             task.cancel()  # a write cut short is harmless: everything it touched is deleted below
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -209,6 +222,7 @@ class KVPublisher:
 
     async def _publish_loop(self) -> None:
         while not self._stopping.is_set():
+            self._has_events.clear()
             events = self._outbox.drain()
             self._apply(events)
             if self._connected:
@@ -219,6 +233,8 @@ class KVPublisher:
             backlog = sum(len(event.block_hashes) for event in events) >= self.config.max_batch_hashes
             if not backlog:
                 await self._sleep(self.config.batch_interval)
+                if self._connected:  # (while Redis is away, keep retrying on the interval)
+                    await self._has_events.wait()
 
     async def _heartbeat_loop(self) -> None:
         while not await self._sleep(self.config.heartbeat_interval):
@@ -373,6 +389,12 @@ class KVPublisher:
                 "running": str(stats.num_running),
                 "waiting": str(stats.num_waiting),
                 "waiting_prefill_tokens": str(stats.waiting_prefill_tokens),
+                "gateways": encode_gateway_loads(
+                    {
+                        gateway: (load.running, load.waiting, load.waiting_prefill_tokens)
+                        for gateway, load in stats.by_source.items()
+                    }
+                ),
                 "ts": repr(time.time()),
             },
         )

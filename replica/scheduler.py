@@ -33,6 +33,26 @@ class ScheduledBatch:
         return spans + [(seq, seq.num_computed, chunk) for seq, chunk in self.prefills]
 
 
+@dataclass
+class SourceLoad:
+    """What one request source (a gateway, named by its ``x-kvroute-gateway`` header) has here."""
+
+    running: int = 0
+    waiting: int = 0
+    waiting_prefill_tokens: int = 0
+
+
+def _waiting_prefill(seq: Sequence) -> int:
+    """A waiting request whose prefix is cached counts only its uncached tail (as of when it was
+    queued), so a replica busy with cache hits does not look as loaded as one with cold prompts."""
+    return max(1, seq.num_uncomputed - seq.expected_cached_tokens)
+
+
+def _running_prefill(seq: Sequence) -> int:
+    """What is left of a running sequence's prefill (a decoding one has none)."""
+    return seq.num_uncomputed if seq.num_uncomputed > 1 else 0
+
+
 class Scheduler:
     def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.kv = kv
@@ -44,11 +64,25 @@ class Scheduler:
 
     @property
     def waiting_prefill_tokens(self) -> int:
-        """Prefill work queued here, in tokens: what gateways weigh against a cache hit. A waiting
-        request whose prefix is cached counts only its uncached tail (as of when it was queued),
-        so a replica busy with cache hits does not look as loaded as one with cold prompts."""
-        waiting = sum(max(1, seq.num_uncomputed - seq.expected_cached_tokens) for seq in self.waiting)
-        return waiting + sum(seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1)
+        """Prefill work queued here, in tokens: what gateways weigh against a cache hit."""
+        waiting = sum(_waiting_prefill(seq) for seq in self.waiting)
+        return waiting + sum(_running_prefill(seq) for seq in self.running)
+
+    def load_by_source(self) -> dict[str, SourceLoad]:
+        """The running and waiting sequences (and their prefill tokens) of each named source, so a
+        gateway can take its own finished requests out of a heartbeat taken before they finished."""
+        loads: dict[str, SourceLoad] = {}
+        for seq in self.running:
+            if seq.source is not None:
+                load = loads.setdefault(seq.source, SourceLoad())
+                load.running += 1
+                load.waiting_prefill_tokens += _running_prefill(seq)
+        for seq in self.waiting:
+            if seq.source is not None:
+                load = loads.setdefault(seq.source, SourceLoad())
+                load.waiting += 1
+                load.waiting_prefill_tokens += _waiting_prefill(seq)
+        return loads
 
     def add(self, seq: Sequence) -> None:
         self._queue(seq, self.waiting.append)

@@ -32,8 +32,10 @@ class Sequence:
         generator: torch.Generator | None,
         text: StopTextTracker,
         root: RadixNode,
+        source: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.source = source  # the gateway that sent it, so its heartbeat share can be reported
         self.index = index
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)

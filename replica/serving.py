@@ -29,6 +29,7 @@ from kvroute.errors import APIError, internal_error
 from kvroute.http import CLIENT_CLOSED_REQUEST, unless_client_leaves
 from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, Prompt
 from kvroute.prompt_cache import PromptEncoder
+from kvroute.redis_schema import GATEWAY_ID_HEADER, is_gateway_id
 from kvroute.tokenizer import TextTokenizer
 from replica.async_engine import AsyncEngine, EngineDeadError
 from replica.metrics import ReplicaMetrics, RequestTracker
@@ -65,8 +66,10 @@ class _Generation:
         metrics: ReplicaMetrics,
         base_id: str,
         specs: list[tuple[list[int], SamplingParams]],
+        source: str | None = None,
     ) -> None:
         self._engine = engine
+        self._source = source
         self.jobs: list[_Job] = []
         self.num_choices = 0
         for i, (prompt_ids, params) in enumerate(specs):
@@ -104,7 +107,8 @@ class _Generation:
 
     async def _pump(self, job: _Job, queue: asyncio.Queue[Any]) -> None:
         try:
-            async for output in self._engine.generate(job.request_id, job.prompt_ids, job.params):
+            generation = self._engine.generate(job.request_id, job.prompt_ids, job.params, self._source)
+            async for output in generation:
                 queue.put_nowait((job, output))
         except Exception as error:
             queue.put_nowait(error)
@@ -380,6 +384,13 @@ PROMPT_CACHE_BYTES = 64 * 1024 * 1024
 messages: ~0.3 ms instead of ~2 ms for a 4,000-token history)."""
 
 
+def request_source(request: Request) -> str | None:
+    """The gateway that sent the request (its ``x-kvroute-gateway`` header), if it is a valid id:
+    the heartbeat reports each gateway's share of the load, so ids are short and plain."""
+    source = request.headers.get(GATEWAY_ID_HEADER)
+    return source if source is not None and is_gateway_id(source) else None
+
+
 class OpenAIServing:
     """Turns validated requests into engine requests and OpenAI replies."""
 
@@ -417,7 +428,7 @@ class OpenAIServing:
     async def _serve(
         self, shape: _Shape, stream: bool, specs: list[tuple[list[int], SamplingParams]], raw: Request
     ) -> Response:
-        generation = _Generation(self.engine, self.metrics, shape.id, specs)
+        generation = _Generation(self.engine, self.metrics, shape.id, specs, request_source(raw))
         if stream:
             return _EventStream(_sse_events(shape, generation))
         response = await unless_client_leaves(raw.receive, _collect(shape, generation))

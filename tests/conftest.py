@@ -12,12 +12,19 @@ from kvroute.local_redis import RedisServer
 from replica.engine import LLMEngine
 from replica.engine_config import EngineConfig
 from replica.kv_events import KVEventOutbox
+from replica.prepare_model import prepare_default_model
 from replica.test_models import make_test_model
 
 
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_test_model("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real default model, converted from its GGUF once per machine (cached)."""
+    return prepare_default_model(progress=None)
 
 
 @pytest.fixture(scope="session")

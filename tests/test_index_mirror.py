@@ -484,6 +484,7 @@ def test_epochs_at_the_protocol_level(redis_server: RedisServer) -> None:
         async def register(epoch: str, hashes: list[int]) -> None:
             fields = dict.fromkeys(HEARTBEAT_FIELDS, "0")
             fields.update(v="1", url="http://x", model="m", fingerprint="f", block_size="4", epoch=epoch)
+            fields.update(gateways="{}")
             async with redis.pipeline(transaction=True) as pipe:
                 pipe.sadd(KEYS.replicas, "x")
                 pipe.hset(KEYS.heartbeat("x"), mapping=fields)

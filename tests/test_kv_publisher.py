@@ -179,6 +179,7 @@ def test_registers_with_a_full_heartbeat_and_a_cleared_event(redis_server: Redis
                 "running": "0",
                 "waiting": "0",
                 "waiting_prefill_tokens": "0",
+                "gateways": "{}",
                 "ts": "",
             }
             assert abs(float(beat["ts"]) - time.time()) < 5

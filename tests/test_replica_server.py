@@ -492,7 +492,9 @@ class _FailingEngine:
         self.generation_defaults: dict[str, Any] = {}
         self.prompts: list[list[int]] = []  # every prompt it was given
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: Any) -> Any:
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], params: Any, source: str | None = None
+    ) -> Any:
         self.prompts.append(list(prompt_token_ids))
         delta = ChoiceDelta(index=0, text="a", token_ids=[64], logprobs=None, finish_reason=None)
         yield RequestOutput(request_id, len(prompt_token_ids), 0, 1, [delta], finished=False)

@@ -10,7 +10,6 @@ from transformers import AutoModelForCausalLM
 
 from replica.engine import LLMEngine
 from replica.engine_config import EngineConfig
-from replica.prepare_model import prepare_default_model
 from replica.sampling_params import SamplingParams
 from tests.test_engine_logits import run_chunk, start
 
@@ -19,14 +18,9 @@ pytestmark = pytest.mark.smollm
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return prepare_default_model(progress=None)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_answers_paris(smollm2: Path, dtype: str) -> None:
-    engine = LLMEngine(EngineConfig(model=smollm2, dtype=dtype, kv_cache_tokens=2048))
+def test_answers_paris(smollm2_dir: Path, dtype: str) -> None:
+    engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype=dtype, kv_cache_tokens=2048))
     prompt = engine.tokenizer.encode_chat(QUESTION)
     engine.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=20))
     text = ""
@@ -36,13 +30,13 @@ def test_answers_paris(smollm2: Path, dtype: str) -> None:
     engine.check_integrity()
 
 
-def test_bf16_logits_track_transformers_bf16(smollm2: Path) -> None:
+def test_bf16_logits_track_transformers_bf16(smollm2_dir: Path) -> None:
     """30 layers amplify low-precision shortcuts (e.g. normalising in bf16) that 2 layers hide."""
-    engine = LLMEngine(EngineConfig(model=smollm2, dtype="bfloat16", kv_cache_tokens=2048))
+    engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="bfloat16", kv_cache_tokens=2048))
     prompt = engine.tokenizer.encode_chat(QUESTION)
     ours = run_chunk(engine, start(engine, prompt), len(prompt))
     reference = AutoModelForCausalLM.from_pretrained(
-        smollm2, dtype=torch.bfloat16, attn_implementation="eager"
+        smollm2_dir, dtype=torch.bfloat16, attn_implementation="eager"
     )
     with torch.no_grad():
         theirs = reference(torch.tensor([prompt])).logits[0, -1].float()

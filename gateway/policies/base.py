@@ -1,9 +1,10 @@
 """The routing-policy interface: what a policy sees of each replica, and what it answers.
 
 Pure and I/O-free: the gateway builds one :class:`Candidate` per healthy replica of the requested
-model (cache match from its index, load from the replica's last heartbeat plus its own in-flight
-counters) and asks a :class:`Policy` to :meth:`~Policy.choose`. Every :class:`Decision` carries a
-:class:`Score` per candidate so the admin ``/route`` endpoint can explain it.
+model (cache match from its index, load from the replica's last heartbeat corrected for the
+gateway's own requests since) and asks a :class:`Policy` to :meth:`~Policy.choose`. Every
+:class:`Decision` carries a :class:`Score` per candidate so the admin ``/route`` endpoint can
+explain it.
 
 Shared by every policy:
 
@@ -61,9 +62,10 @@ class Candidate:
     replica_id: str
     cached_blocks: int  # leading prompt blocks the index says it holds (confirmed by its events)
     predicted_blocks: int  # leading blocks counting the gateway's own predictions (>= cached_blocks)
-    waiting_prefill_tokens: int  # from its last heartbeat
-    running: int  # sequences running, from its last heartbeat
-    waiting: int  # sequences waiting, from its last heartbeat
+    # From its last heartbeat, less this gateway's requests that finished since (gateway.routing):
+    waiting_prefill_tokens: int
+    running: int  # sequences running
+    waiting: int  # sequences waiting
     inflight: int  # requests this gateway sent it since that heartbeat and not finished
     inflight_prefill_tokens: int  # their uncached prompt tokens
     cache_comparable: bool = True  # False: its tokenizer fingerprint differs, cache counts mean nothing
