@@ -96,7 +96,12 @@ class GatewayAuth:
             return None
         if path == "/admin" or path.startswith("/admin/"):
             if not self.admin_keys:
-                return APIError("admin API disabled: set --admin-key", 403, code="admin_disabled")
+                return APIError(
+                    "The admin API is off: start the gateway with --admin-key KEY (also `kvroute up"
+                    " --admin-key KEY`) or the KVROUTE_ADMIN_KEY environment variable.",
+                    403,
+                    code="admin_disabled",
+                )
             if role == ADMIN:
                 return None
             if role == DATA:

@@ -1,7 +1,7 @@
 """A private redis-server on a free loopback port: for tests, benchmarks and one-machine stacks.
 
-It keeps nothing on disk, and can be stopped and started again on the same port (tests use that
-to simulate an outage).
+It keeps nothing on disk, can be stopped and started again on the same port (tests use that to
+simulate an outage), and dies with the process that started it.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import time
 from pathlib import Path
 
 import redis
+
+from kvroute.children import spawn
 
 
 def free_port() -> int:
@@ -38,7 +40,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
-        self.process = subprocess.Popen(
+        self.process = spawn(
             [
                 self.executable,
                 "--bind",

@@ -2,10 +2,12 @@
 
 Each component is a child process whose output is printed with a ``[name]`` prefix. The stack is
 ready when every replica answers /health and the gateway's index sees all of them; then the base
-URL and two snippets are printed. Ctrl-C or SIGTERM stops the gateway, the replicas, then Redis
-(whose data of a private instance lived only in memory and its temporary directory). If any
-component dies, the stack reports it and stops the rest: a half-working stack behind a healthy
-looking URL would only hide the failure.
+URL, the replicas, the policy and two snippets are printed. Ctrl-C, SIGTERM or SIGHUP (the
+terminal closed) stops the gateway, then the replicas, then Redis (whose data of a private
+instance lived only in memory and its temporary directory); children die with the supervisor
+even when it is killed outright (``kvroute.children``). If any component dies, the stack reports
+it and stops the rest: a half-working stack behind a healthy looking URL would only hide the
+failure.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import TextIO
 
 import httpx
 
+from kvroute.children import spawn
 from kvroute.local_redis import RedisServer, free_port
 
 READY_TIMEOUT_S = 600  # a cold CPU start loads the model and warms up; the gateway only needs seconds
+PROGRESS_EVERY_S = 5.0  # while replicas load, say so this often
+STOP_TIMEOUT_S = 30.0  # per stage of the stop; then the stage's children are killed
 
 
 class StackError(RuntimeError):
@@ -46,6 +52,10 @@ class StackSettings:
     replica_args: list[str] = field(default_factory=list)  # extra `kvroute replica` flags
     gateway_args: list[str] = field(default_factory=list)  # extra `kvroute gateway` flags
     log_dir: Path | None = None  # each component's output to NAME.log there instead of stdout
+    # Keys reach the gateway through its environment (KVROUTE_API_KEYS, KVROUTE_ADMIN_KEY), not its
+    # command line, which every local user can read; None keeps what the environment already says.
+    api_keys: tuple[str, ...] | None = None
+    admin_key: str | None = None
 
 
 @dataclass
@@ -83,8 +93,11 @@ class LocalStack:
                  "--redis", redis_url, "--threads", str(threads), *self.settings.replica_args],
                 f"http://127.0.0.1:{port}",
             )  # fmt: skip
+        _say(f"[stack] loading the model in {self.settings.replicas} replica(s): {model}\n")
+        started = time.monotonic()
         for child in self.children:
-            self._wait_healthy(child, lambda response: response.status_code == 200)
+            self._wait_healthy(child, lambda response: response.status_code == 200, started)
+            _say(f"[stack] {child.name} ready at {child.url} ({time.monotonic() - started:.0f} s)\n")
         self._spawn(
             "gateway",
             ["gateway", "--host", self.settings.host, "--port", str(self.settings.port), "--redis", redis_url,
@@ -100,24 +113,36 @@ class LocalStack:
         self._workdir = tempfile.TemporaryDirectory(prefix="kvroute-redis-")
         self.redis = RedisServer(Path(self._workdir.name))
         self.redis.start()
-        print(f"[stack] private redis-server at {self.redis.url}", flush=True)
+        _say(f"[stack] private redis-server at {self.redis.url}\n")
         return self.redis.url
 
     def _spawn(self, name: str, args: list[str], url: str) -> None:
         log_dir = self.settings.log_dir
         with open(log_dir / f"{name}.log", "wb") if log_dir else contextlib.nullcontext() as log:
-            process = subprocess.Popen(
+            process = spawn(
                 [sys.executable, "-m", "kvroute.cli", *args],
                 stdout=log or subprocess.PIPE,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # our signals reach children only through stop()
+                env=self._environment(),
             )
         self.children.append(_Child(name, process, url))
         if log_dir is None:
             threading.Thread(target=_prefix_output, args=(name, process), daemon=True).start()
 
-    def _wait_healthy(self, child: _Child, ready: Callable[[httpx.Response], bool]) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
+    def _environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.settings.api_keys is not None:
+            env["KVROUTE_API_KEYS"] = ",".join(self.settings.api_keys)
+        if self.settings.admin_key is not None:
+            env["KVROUTE_ADMIN_KEY"] = self.settings.admin_key
+        return env
+
+    def _wait_healthy(
+        self, child: _Child, ready: Callable[[httpx.Response], bool], since: float | None = None
+    ) -> None:
+        """Polls the child's /health; with ``since``, says every few seconds that it is still waiting."""
+        now = time.monotonic()
+        deadline, next_word = now + READY_TIMEOUT_S, now + PROGRESS_EVERY_S
         while time.monotonic() < deadline and not self._stopping.is_set():
             self.check_alive()
             try:
@@ -125,6 +150,9 @@ class LocalStack:
                     return
             except httpx.TransportError:
                 pass
+            if since is not None and time.monotonic() >= next_word:
+                next_word += PROGRESS_EVERY_S
+                _say(f"[stack] waiting for {child.name} ({time.monotonic() - since:.0f} s)\n")
             time.sleep(0.2)
         raise StackError(f"{child.name} did not become healthy")
 
@@ -136,28 +164,45 @@ class LocalStack:
                 raise StackError(f"{child.name} exited with code {code}{where}")
 
     def stop(self) -> None:
-        """Gateway first (no new work), then replicas (they deregister), then Redis."""
+        """Gateway first (no new work), then the replicas (they deregister from Redis), then Redis."""
         self._stopping.set()
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.terminate()
-        for child in reversed(self.children):
-            try:
-                child.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                child.process.kill()
-                child.process.wait()
+        gateways = [child for child in self.children if child.name == "gateway"]
+        _terminate([child.process for child in gateways])
+        _terminate([child.process for child in self.children if child not in gateways])
         if self.redis is not None:
             self.redis.stop()
         if self._workdir is not None:
             self._workdir.cleanup()
 
 
+def _terminate(processes: list[subprocess.Popen[bytes]]) -> None:
+    """SIGTERM to all, then wait for each; those still running after ``STOP_TIMEOUT_S`` are killed."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        try:
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 def _prefix_output(name: str, process: subprocess.Popen[bytes]) -> None:
+    """Copies a child's output with its name in front. Once the terminal is gone (closed: writes
+    fail) the output is still read and dropped, so a child never blocks on a full pipe."""
     assert process.stdout is not None
     for line in process.stdout:
-        sys.stdout.write(f"[{name}] {line.decode(errors='replace')}")
-        sys.stdout.flush()
+        _say(f"[{name}] {line.decode(errors='replace')}")
+
+
+def _say(text: str, stream: TextIO | None = None) -> None:
+    """Writes to the terminal if it is still there (after SIGHUP it may not be)."""
+    stream = stream or sys.stdout
+    with contextlib.suppress(OSError, ValueError):
+        stream.write(text)
+        stream.flush()
 
 
 def _require_free_port(host: str, port: int) -> None:
@@ -171,22 +216,41 @@ def _require_free_port(host: str, port: int) -> None:
             ) from None
 
 
-def _snippets(base_url: str, model: str) -> str:
+def _banner(stack: LocalStack, model: str) -> str:
+    """What the first screen says: where to send requests, what runs behind it, how to try it."""
+    settings, base_url = stack.settings, stack.base_url
+    keys = settings.api_keys if settings.api_keys is not None else _env_keys("KVROUTE_API_KEYS")
+    admin_key = settings.admin_key if settings.admin_key is not None else os.environ.get("KVROUTE_ADMIN_KEY")
+    key = "YOUR_API_KEY" if keys else "unused"
+    auth = f" -H 'Authorization: Bearer {key}'" if keys else ""
+    replicas = "\n".join(f"    {url}" for url in stack.replica_urls)
+    admin = (
+        f"on: {base_url.removesuffix('/v1')}/admin/replicas with the admin key"
+        if admin_key
+        else "off (turn it on with kvroute up --admin-key KEY, or KVROUTE_ADMIN_KEY)"
+    )
     return f"""
 kvroute is up: OpenAI base URL {base_url} (model "{model}")
+  policy {settings.policy}; {len(stack.replica_urls)} replica(s):
+{replicas}
+  API keys: {"required" if keys else "none (open)"}; admin API: {admin}
 
-  curl -s {base_url}/chat/completions -H 'Content-Type: application/json' \\
-    -d '{{"model": "{model}", "max_tokens": 64,
+  curl -s {base_url}/chat/completions -H 'Content-Type: application/json'{auth} \\
+    -d '{{"model": "{model}", "max_tokens": 64, "temperature": 0,
          "messages": [{{"role": "user", "content": "What is the capital of France?"}}]}}'
 
   from openai import OpenAI
-  client = OpenAI(base_url="{base_url}", api_key="unused")
-  reply = client.chat.completions.create(model="{model}", max_tokens=64,
+  client = OpenAI(base_url="{base_url}", api_key="{key}")
+  reply = client.chat.completions.create(model="{model}", max_tokens=64, temperature=0,
       messages=[{{"role": "user", "content": "What is the capital of France?"}}])
   print(reply.choices[0].message.content)
 
 Ctrl-C stops everything.
 """
+
+
+def _env_keys(name: str) -> tuple[str, ...]:
+    return tuple(key for key in os.environ.get(name, "").split(",") if key)
 
 
 def run_stack(settings: StackSettings) -> None:
@@ -196,7 +260,10 @@ def run_stack(settings: StackSettings) -> None:
         from replica.prepare_model import default_model_dir
 
         # In a child process: converting loads transformers, which this supervisor need not keep.
-        subprocess.run([sys.executable, "-m", "kvroute.cli", "prepare-model"], check=True)
+        # Its progress goes to stderr; stdout would only repeat the path the next line prints.
+        subprocess.run(
+            [sys.executable, "-m", "kvroute.cli", "prepare-model"], check=True, stdout=subprocess.DEVNULL
+        )
         model = default_model_dir()
     stack = LocalStack(settings)
     stop_requested = threading.Event()
@@ -205,17 +272,17 @@ def run_stack(settings: StackSettings) -> None:
         stop_requested.set()
         stack._stopping.set()
 
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # SIGHUP: the terminal closed
+        signal.signal(signum, on_signal)
     try:
         stack.start(model)
         if not stop_requested.is_set():
-            print(_snippets(stack.base_url, model.name), flush=True)
+            _say(_banner(stack, model.name))
         while not stop_requested.wait(0.5):
             stack.check_alive()
     except StackError as error:
-        print(f"[stack] {error}; stopping", file=sys.stderr, flush=True)
+        _say(f"[stack] {error}; stopping\n", sys.stderr)
         stack.stop()
         sys.exit(1)
     stack.stop()
-    print("[stack] stopped", flush=True)
+    _say("[stack] stopped\n")

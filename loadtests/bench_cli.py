@@ -1,5 +1,6 @@
 """``kvroute bench serve`` and ``kvroute bench compare``: their options; ``kvroute.cli`` hands them the
-arguments after ``bench``, and the work itself is imported only once a command runs."""
+arguments after ``bench``, and the work itself is imported only once a command runs. The help uses
+``kvroute.cli``'s layout: every default shown, examples last."""
 
 from __future__ import annotations
 
@@ -7,29 +8,72 @@ import argparse
 import logging
 import math
 import os
+import textwrap
 from pathlib import Path
 from typing import Any
 
 from kvroute.blocks import DEFAULT_BLOCK_SIZE
+from kvroute.cli import HelpFormatter, add_command, examples
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+
+BENCH_EPILOG = examples(
+    "kvroute bench serve --num-prompts 16 --document-len 256:512 --output-len 32   # a short run",
+    "kvroute bench compare --engine sim --replicas 4 --num-prompts 64 --max-concurrency 8",
+    "kvroute bench serve --help                       # every option, with its default",
+)
+# Sized for the default local stack (`kvroute up`: 2 SmolLM2-135M replicas on CPU): 2 points of
+# 16 requests, 4 conversations over 2 documents of 256-512 tokens, 32-token answers; about 40 s on
+# 2 CPU cores. The README's load-test section shows the same command.
+QUICK_SERVE = (
+    "kvroute bench serve --num-prompts 16 --turns 4 --document-len 256:512 \\\n"
+    "      --input-len 32 --output-len 32 --max-concurrency 1 4   # vs kvroute up: <1 min on 2 CPU cores"
+)
+
+
+def build_bench_parser() -> argparse.ArgumentParser:
+    """The parser of ``kvroute bench``: its serve and compare commands."""
+    parser = argparse.ArgumentParser(
+        prog="kvroute bench",
+        description=textwrap.fill(
+            "Load tests. serve measures any OpenAI-compatible server; compare runs one workload through"
+            " a fresh stack per routing policy. Both send seeded workloads and report the cached-token"
+            " ratio beside its oracle.",
+            width=78,
+        ),
+        epilog=BENCH_EPILOG,
+        formatter_class=HelpFormatter,
+    )
+    add_bench_commands(parser)
+    return parser
 
 
 def run_bench(argv: list[str]) -> None:
     """``kvroute bench ARGV``: parses the load tests' own options and runs the chosen command."""
-    parser = argparse.ArgumentParser(prog="kvroute bench", description="Load tests.")
-    add_bench_commands(parser)
-    args = parser.parse_args(argv)
+    args = build_bench_parser().parse_args(argv)
+    if args.api_key is None:
+        args.api_key = os.environ.get("OPENAI_API_KEY") or None
     args.bench_handler(args)
 
 
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench_command", required=True)
-    serve = sub.add_parser(
+    sub = parser.add_subparsers(dest="bench_command", required=True, title="commands")
+    serve = add_command(
+        sub,
         "serve",
         help="benchmark any OpenAI-compatible server (vllm bench serve style)",
         description="Sends a seeded workload to an OpenAI-compatible server and reports TTFT, TPOT, ITL,"
-        " E2EL, throughput and the cached-token ratio beside its oracle.",
+        " E2EL, throughput and the cached-token ratio beside its oracle (perfect affinity, unlimited"
+        " cache). Several --max-concurrency values run a sweep, one fresh workload per point.",
+        epilog=examples(
+            QUICK_SERVE,
+            "kvroute bench serve --dataset shared-prefix --num-prompts 32 --prefix-len 512 \\\n"
+            "      --output-len 16 --max-concurrency 4",
+            "# larger (many minutes on CPU, sized for GPUs):",
+            "kvroute bench serve --base-url http://GPU_HOST:8000 --num-prompts 256 --turns 4 \\\n"
+            "      --document-len 1024:4096 --max-concurrency 4 16 64",
+            "kvroute bench serve --dataset jsonl --dataset-path chats.jsonl --max-concurrency 8",
+        ),
     )
     serve.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL without /v1")
     serve.add_argument(
@@ -47,11 +91,18 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--label", default="bench serve", help="name in the report and the plot")
     serve.set_defaults(bench_handler=_run_serve)
 
-    compare = sub.add_parser(
+    compare = add_command(
+        sub,
         "compare",
         help="the same workload through one gateway per routing policy, side by side",
         description="Starts Redis, fresh replicas (torch or sim) and a gateway for each policy, runs the"
         " identical workload through each and prints one table.",
+        epilog=examples(
+            "kvroute bench compare --engine sim --replicas 4 --num-prompts 64 --max-concurrency 8",
+            "kvroute bench compare --replicas 2 --num-prompts 16 --document-len 256:512 \\\n"
+            "      --output-len 16 --max-concurrency 4 --policies kv round-robin   # torch on CPU",
+            "kvroute bench compare --engine sim --profile h100-llama3-8b --kv-cache-tokens 20000",
+        ),
     )
     compare.add_argument("--replicas", type=int, default=4, help="replicas behind each gateway")
     compare.add_argument("--engine", choices=["torch", "sim"], default="torch", help="replica backend")
@@ -66,11 +117,17 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--no-sglang", action="store_true", help="do not add sglang-router even when it is installed"
     )
-    compare.add_argument("--kv-cache-tokens", type=int, help="each replica's KV pool (cache pressure)")
+    compare.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        help="each replica's KV pool in tokens, for cache pressure (default: the replica's own)",
+    )
     compare.add_argument(
         "--replica-arg", action="append", default=[], help="extra `kvroute replica` flag (repeatable)"
     )
-    compare.add_argument("--gateway-arg", action="append", default=[], help="extra `kvroute gateway` flag")
+    compare.add_argument(
+        "--gateway-arg", action="append", default=[], help="extra `kvroute gateway` flag (repeatable)"
+    )
     _add_workload_options(compare)
     compare.add_argument("--max-concurrency", type=int, default=8, help="concurrent conversations")
     compare.add_argument("--out", type=Path, default=Path("results/bench_compare.json"), help="JSON report")
@@ -79,8 +136,18 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
 
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     w = parser.add_argument_group("workload")
-    w.add_argument("--dataset", "--dataset-name", dest="dataset", choices=DATASETS, default="multi-turn")
-    w.add_argument("--dataset-path", type=Path, help="the JSONL file of --dataset jsonl")
+    w.add_argument(
+        "--dataset",
+        "--dataset-name",
+        dest="dataset",
+        choices=DATASETS,
+        default="multi-turn",
+        metavar="NAME",
+        help=f"the workload: {', '.join(DATASETS[:-1])} or jsonl (read from --dataset-path)",
+    )
+    w.add_argument(
+        "--dataset-path", type=Path, help="the JSONL file of --dataset jsonl (default: none; jsonl needs it)"
+    )
     w.add_argument("--num-prompts", type=int, default=200, help="requests in all (multi-turn: turns too)")
     w.add_argument(
         "--input-len",
@@ -104,20 +171,21 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     )
     w.add_argument("--think-time", type=float, default=0.0, help="multi-turn: mean seconds between turns")
     w.add_argument("--request-rate", type=float, default=math.inf, help="arrivals/s (Poisson); inf: at once")
-    w.add_argument("--seed", type=int, default=0)
-    w.add_argument("--temperature", type=float, default=0.0)
+    w.add_argument("--seed", type=int, default=0, help="seeds the workload's text and the arrivals")
+    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     w.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
     w.add_argument(
         "--tokenizer",
         type=Path,
-        help="model directory whose tokenizer builds the workload (default: SmolLM2)",
+        help="model directory whose tokenizer builds the workload and the oracle: give the served"
+        " model's (default: SmolLM2; bench compare: --model-dir)",
     )
     w.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the oracle's block size")
     w.add_argument(
         "--percentile-metrics", default="ttft,tpot,itl,e2el", help="comma list of ttft,tpot,itl,e2el"
     )
     w.add_argument("--metric-percentiles", default="90,99", help="comma list of percentiles to report")
-    w.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="Bearer key (OPENAI_API_KEY)")
+    w.add_argument("--api-key", help="Bearer key sent to the server (default: env OPENAI_API_KEY)")
     w.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 

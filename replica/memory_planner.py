@@ -54,6 +54,17 @@ def load_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
+def context_window(config: dict[str, Any]) -> int:
+    """The model's own context window: ``max_position_embeddings`` of its config (what the replica
+    serves when no --max-model-len is given)."""
+    window = config.get("max_position_embeddings")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(
+            "the config gives no max_position_embeddings (its context window): give --context TOKENS"
+        )
+    return window
+
+
 def count_params(config: dict[str, Any]) -> dict[str, int]:
     """Parameter count per part of a dense Llama/Qwen/Mistral-style decoder.
 

@@ -19,6 +19,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -72,8 +73,13 @@ def find_smollm2_gguf() -> Path:
     return found[0]
 
 
-def prepare_default_model(out: Path | None = None, progress: Progress | None = print) -> Path:
+def _to_stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def prepare_default_model(out: Path | None = None, progress: Progress | None = _to_stderr) -> Path:
     """Convert the SmolLM2 GGUF into an HF model directory at ``out`` (default: default_model_dir()).
+    Progress goes to stderr, so that ``kvroute prepare-model``'s stdout is the directory alone.
 
     Idempotent: returns at once when ``out`` already holds this conversion of this GGUF. Safe to
     call from several processes at the same time (a lock file serializes the conversion).

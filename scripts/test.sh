@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 source scripts/setup.sh test
 ruff check .
 ruff format --check .
-python -m pytest -q "$@"
+python -m pytest -q -rs "$@"  # -rs: why each skipped test was skipped

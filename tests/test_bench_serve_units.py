@@ -10,12 +10,14 @@ from pathlib import Path
 import pytest
 
 from kvroute.tokenizer import TextTokenizer
-from loadtests.bench_cli import workload_options
+from loadtests.bench_cli import build_bench_parser, workload_options
+from loadtests.serving import serve
 from loadtests.serving.client import RequestRecord
 from loadtests.serving.metrics import compute_metrics, peak_concurrency
 from loadtests.serving.oracle import OracleRequest, oracle_cached_tokens, token_stream
 from loadtests.serving.report import format_report
 from loadtests.serving.runner import arrival_times
+from loadtests.serving.serve import concurrency_cap_warning
 from loadtests.serving.workloads import (
     TextSource,
     build_workload,
@@ -232,3 +234,37 @@ def test_a_request_without_text_succeeds_without_a_ttft() -> None:
     assert metrics.completed == 2 and metrics.failed == 0
     assert metrics.latencies["ttft"].mean == pytest.approx(200)  # only the request with text
     assert metrics.latencies["e2el"].mean == pytest.approx(125)
+
+
+def test_concurrency_cap_warning_names_the_limit_and_why(llama_dir: Path) -> None:
+    tokenizer = TextTokenizer.from_dir(llama_dir)
+    multi_turn = build_workload("multi-turn", tokenizer, 0, _options(num_prompts=24, turns=4))
+    assert len(multi_turn.conversations) == 6
+    assert concurrency_cap_warning(multi_turn, [1, 6, None]) is None  # None: unlimited
+    warning = concurrency_cap_warning(multi_turn, [4, 16, 8, 16])
+    assert warning is not None
+    assert "--max-concurrency 8 16 " in warning and "capped at 6" in warning
+    assert "6 conversations" in warning and "--turns 4" in warning
+    single = build_workload("random", tokenizer, 0, _options(num_prompts=5))
+    warning = concurrency_cap_warning(single, [8])
+    assert warning is not None and "5 requests (--num-prompts)" in warning and "capped at 5" in warning
+
+
+def test_bench_serve_warns_once_per_sweep(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A sweep whose points all exceed the workload's 2 conversations: one warning, not one per point."""
+    runs: list[serve.ServeSettings] = []
+    monkeypatch.setattr(serve, "run_serve", lambda settings: runs.append(settings) or [])
+    monkeypatch.setattr(serve, "write_results", lambda *args: None)
+    argv = ["serve", "--model", "tiny", "--tokenizer", str(llama_dir), "--disable-tqdm"]
+    argv += ["--num-prompts", "8", "--turns", "4", "--document-len", "20:30", "--input-len", "8"]
+    args = build_bench_parser().parse_args([*argv, "--max-concurrency", "1", "4", "8"])
+    args.bench_handler(args)
+    assert len(runs) == 1 and len(runs[0].workloads) == 3
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1, err
+    assert "--max-concurrency 4 8 " in err and "capped at 2" in err
+    args = build_bench_parser().parse_args([*argv, "--max-concurrency", "1", "2"])
+    args.bench_handler(args)
+    assert "warning:" not in capsys.readouterr().err

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from replica.memory_planner import GIB, format_plan, load_config, plan_memory
+from replica.memory_planner import GIB, context_window, format_plan, load_config, plan_memory
 
 KIB = 1024
 LLAMA3_ROPE_SCALING = {
@@ -136,6 +136,15 @@ def test_load_config_from_dir_or_file(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
     assert load_config(tmp_path) == LLAMA_3_1_8B
     assert load_config(tmp_path / "config.json") == LLAMA_3_1_8B
+
+
+def test_context_window_is_the_models_own() -> None:
+    assert context_window(LLAMA_3_1_8B) == 131072
+    assert context_window({**LLAMA_3_1_8B, "max_position_embeddings": 8192}) == 8192
+    without = {key: value for key, value in LLAMA_3_1_8B.items() if key != "max_position_embeddings"}
+    for config in (without, {**LLAMA_3_1_8B, "max_position_embeddings": None}):
+        with pytest.raises(ValueError, match="--context"):
+            context_window(config)
 
 
 def test_moe_configs_are_refused() -> None:

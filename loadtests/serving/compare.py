@@ -30,7 +30,14 @@ from kvroute.stack import LocalStack, StackSettings
 from loadtests.report import cpu_model, package_version, progress
 from loadtests.serving.client import Endpoint
 from loadtests.serving.report import save_figure
-from loadtests.serving.serve import ServePoint, ServeSettings, request_extras, run_point, settings_from_args
+from loadtests.serving.serve import (
+    ServePoint,
+    ServeSettings,
+    request_extras,
+    run_point,
+    settings_from_args,
+    warn_if_concurrency_capped,
+)
 
 BENCH = "bench compare"
 SGLANG_PREFIX = "sglang-"
@@ -245,6 +252,7 @@ def run_compare_command(args: argparse.Namespace) -> None:
         f"{workload.name}: {workload.num_requests} requests, {args.replicas} {args.engine} replicas,"
         f" concurrency {args.max_concurrency}; policies: {', '.join(policies)}",
     )
+    warn_if_concurrency_capped(BENCH, settings)
     results: list[PolicyResult] = []
     with tempfile.TemporaryDirectory(prefix="kvroute-compare-") as workdir:
         for policy in policies:

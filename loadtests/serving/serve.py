@@ -128,6 +128,45 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def concurrency_cap_warning(workload: Workload, max_concurrency: list[int | None]) -> str | None:
+    """The warning for a run asking more concurrency than its workload can keep in flight, else None.
+
+    A slot is held for a whole conversation (its turns go one after another), so at most one
+    request per conversation is ever in flight: a --max-concurrency above the number of
+    conversations runs exactly like one equal to it.
+    """
+    parallelism = len(workload.conversations)
+    over = sorted({c for c in max_concurrency if c is not None and c > parallelism})
+    if not over:
+        return None
+    asked = " ".join(str(c) for c in over)
+    if workload.name == "multi-turn":
+        turns = workload.settings.get("turns", 1)
+        why = (
+            f"the workload has {parallelism} conversations (--num-prompts {workload.num_requests} /"
+            f" --turns {turns}), each sending its turns one after another"
+        )
+        fix = "raise --num-prompts or lower --turns"
+    elif workload.name == "jsonl":
+        why = f"the file gives {parallelism} conversations (up to --num-prompts)"
+        fix = "add lines to the file"
+    else:
+        why = f"the workload has {parallelism} requests (--num-prompts)"
+        fix = "raise --num-prompts"
+    return (
+        f"warning: --max-concurrency {asked} is above what the workload can keep in flight: {why},"
+        f" so the effective concurrency is capped at {parallelism} ({fix} to reach {over[-1]})"
+    )
+
+
+def warn_if_concurrency_capped(bench: str, settings: ServeSettings) -> None:
+    """Says once per run (not per sweep point: every point's workload has the same shape) that a
+    --max-concurrency cannot be reached."""
+    warning = concurrency_cap_warning(settings.workloads[0], settings.max_concurrency)
+    if warning is not None:
+        progress(bench, warning)
+
+
 def run_serve(settings: ServeSettings) -> list[ServePoint]:
     points = []
     for workload, concurrency in zip(settings.workloads, settings.max_concurrency, strict=True):
@@ -213,5 +252,6 @@ def run_serve_command(args: argparse.Namespace) -> None:
         f"{first.name}: {first.num_requests} requests in {len(first.conversations)} conversations"
         f" per point -> {url} ({model})",
     )
+    warn_if_concurrency_capped(BENCH, settings)
     points = run_serve(settings)
     write_results(settings, points, args.out, args.label)
