@@ -38,9 +38,9 @@ from gateway.health import STATIC_EPOCH
 from gateway.index_mirror import ReplicaInfo
 from gateway.metrics import ReplicaStats
 from gateway.policies import POLICIES, Policy, make_policy
-from kvroute.errors import APIError
 from kvroute.http import openai_errors, read_body
-from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from kvroute.openai_api.errors import APIError
+from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
 
 if TYPE_CHECKING:
     from gateway.app import _GatewayAPI

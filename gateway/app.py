@@ -3,7 +3,7 @@
 Per request: validate (the shared OpenAI schema, so bad input never reaches a replica), find the
 model's live replicas in the Redis index mirror, tokenize exactly as they do (their own tokenizer,
 fetched once and checked against the fingerprint they registered; ids reused across a chat's turns,
-see ``gateway.tokenizers``), hash the prompt's blocks, let the policy choose, then proxy
+see ``gateway.tokenizer_registry``), hash the prompt's blocks, let the policy choose, then proxy
 (``gateway.proxy`` over ``gateway.upstream``): retried on the next-best replica until a byte has
 reached the client, streamed through untouched, with ``x-kvroute-replica`` and
 ``x-kvroute-predicted-cached-tokens`` headers.
@@ -22,7 +22,6 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -37,7 +36,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from gateway.admin import AdminAPI
 from gateway.auth import GatewayAuth
-from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S, ReplicaHealth
+from gateway.health import ReplicaHealth
 from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.metrics import GatewayMetrics, ReplicaStats
 from gateway.policies import make_policy
@@ -49,14 +48,15 @@ from gateway.proxy import (
     open_upstream,
 )
 from gateway.routing import RoutePlan, Router
-from gateway.tokenizers import TokenizerError, TokenizerRegistry
+from gateway.settings import GatewaySettings
+from gateway.tokenizer_registry import TokenizerError, TokenizerRegistry
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from kvroute.errors import APIError, internal_error, model_not_found
 from kvroute.http import FastPosts, http_error, openai_errors, read_body, unless_client_leaves
-from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from kvroute.prompt_cache import Prompt
-from kvroute.redis_schema import DEFAULT_PREFIX, GATEWAY_ID_HEADER
-from kvroute.tokenizer import TextTokenizer
+from kvroute.openai_api.errors import APIError, internal_error, model_not_found
+from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
+from kvroute.protocol import GATEWAY_ID_HEADER
+from kvroute.text.prompt_ids import PromptIds
+from kvroute.text.tokenizer import TextTokenizer
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -64,27 +64,6 @@ _LOAD_ONLY_POLICIES = frozenset({"round-robin", "least-loaded", "random"})  # ne
 _GENERATION_PATHS = {"/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8")]
-
-
-@dataclass
-class GatewaySettings:
-    redis_url: str | None  # None: no index, replicas from ``replicas`` alone (load-only routing)
-    redis_prefix: str = DEFAULT_PREFIX
-    policy: str = "kv"
-    lam: float = 1.0
-    max_queue: int | None = None  # per-replica cap on waiting + in-flight requests
-    prediction_ttl_s: float = 2.0  # how long routed blocks count as held before events confirm them
-    max_body_bytes: int = 8 * 1024 * 1024
-    upstream_timeout_s: float = 600.0
-    poll_interval_s: float = 0.5
-    replicas: tuple[str, ...] = ()  # static replica URLs: fallback with Redis, the only source without
-    eject_after: int = DEFAULT_EJECT_AFTER  # consecutive failures that take a replica out of rotation
-    probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S  # between health probes of ejected replicas
-    api_keys: tuple[str, ...] = ()  # Bearer keys for /v1 (none: open); see gateway.auth
-    admin_key: str | None = None  # Bearer key for /admin (none: the admin API is disabled)
-    metrics_key_required: bool = False  # /metrics needs a data or admin key
-    replica_key: str | None = None  # Bearer key sent on every call to a replica
-    tokenizer_cache_bytes: int = 256 * 1024 * 1024  # token ids cached for repeated and multi-turn chats
 
 
 class _GatewayAPI:
@@ -155,14 +134,14 @@ class _GatewayAPI:
 
     async def _prompt(
         self, tokenizer: TextTokenizer, body: ChatCompletionRequest | CompletionRequest
-    ) -> Prompt:
+    ) -> PromptIds:
         """The ids the replica will see (for a batch of completions prompts: the first one's)."""
         try:
             if isinstance(body, ChatCompletionRequest):
                 return await self.tokenizers.encode_chat(tokenizer, *body.template_inputs())
             prompt = body.prompt[0]
             if isinstance(prompt, list):
-                return Prompt.of(prompt)
+                return PromptIds.of(prompt)
             return await self.tokenizers.encode_prompt(tokenizer, prompt)
         except OverflowError:
             raise APIError("Invalid 'prompt': token ids must be below 2**32.", param="prompt") from None
@@ -171,7 +150,7 @@ class _GatewayAPI:
 
     async def decide(
         self, request: Request, body: ChatCompletionRequest | CompletionRequest
-    ) -> tuple[RoutePlan, Prompt]:
+    ) -> tuple[RoutePlan, PromptIds]:
         """Tokenize as the replicas do and let the policy (or an admin's override) choose.
 
         The request path and ``POST /admin/route`` both call this, so the explained decision is

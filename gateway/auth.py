@@ -10,54 +10,22 @@
 * ``/metrics``: open unless ``metrics_key_required`` (then any data or admin key works).
 * everything else (``/health``, unknown paths): open.
 
-Every presented key is compared with every configured key in constant time
-(``hmac.compare_digest``), so timing tells nothing about which key or how much of it matched.
-The verdict is left in ``scope["kvroute.auth"]`` (``"admin"``, ``"data"`` or ``None``) for
-handlers such as the admin policy override.
+Keys are read and compared by ``kvroute.auth`` (the rule replicas apply too). The verdict is
+left in ``scope["kvroute.auth"]`` (``"admin"``, ``"data"`` or ``None``) for handlers such as the
+admin policy override.
 """
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvroute.errors import APIError
+from kvroute.auth import bearer_token, key_matches, unauthorized
+from kvroute.openai_api.errors import APIError
 
 AUTH_SCOPE_KEY = "kvroute.auth"
 ADMIN, DATA = "admin", "data"
-
-
-def bearer_token(headers: Iterable[tuple[bytes, bytes]]) -> bytes | None:
-    """The token of an ``Authorization: Bearer <token>`` header (raw ASGI headers), else None."""
-    for name, value in headers:
-        if name == b"authorization":
-            scheme, _, token = value.strip().partition(b" ")
-            if scheme.lower() == b"bearer" and token.strip():
-                return token.strip()
-            return None
-    return None
-
-
-def key_matches(token: bytes | None, keys: Iterable[bytes]) -> bool:
-    """True if ``token`` equals one of ``keys``; compares against all of them, in constant time."""
-    if token is None:
-        return False
-    found = False
-    for key in keys:
-        found |= hmac.compare_digest(token, key)
-    return found
-
-
-def parse_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[str, ...]:
-    """Keys from repeated flags, else from a comma-separated environment value; blanks dropped."""
-    keys = list(flags or []) or (env_value or "").split(",")
-    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
-
-
-def _unauthorized(message: str) -> APIError:
-    return APIError(message, 401, type="authentication_error", code="invalid_api_key")
 
 
 class GatewayAuth:
@@ -88,7 +56,7 @@ class GatewayAuth:
         """The refusal for a request to ``path`` by ``role``, or None to let it through."""
         if path == "/v1" or path.startswith("/v1/"):
             if self.data_keys and role is None:  # with only an admin key set, /v1 stays open
-                return _unauthorized(
+                return unauthorized(
                     "Incorrect API key provided."
                     if presented
                     else "Missing API key: send Authorization: Bearer <key>."
@@ -106,9 +74,9 @@ class GatewayAuth:
                 return None
             if role == DATA:
                 return APIError("This key may not use the admin API.", 403, code="insufficient_permissions")
-            return _unauthorized("Incorrect admin key provided." if presented else "Missing admin key.")
+            return unauthorized("Incorrect admin key provided." if presented else "Missing admin key.")
         if path == "/metrics" and self.metrics_key_required and role is None:
-            return _unauthorized("Incorrect API key provided." if presented else "Missing API key.")
+            return unauthorized("Incorrect API key provided." if presented else "Missing API key.")
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -305,7 +305,7 @@ class BlockIndex:
         Container sizes are exact (``sys.getsizeof`` of the hash → mask dict and of every
         replica's set); the int objects inside are estimated: one 64-bit int per (replica, block)
         pair (each replica's set references the int it was given) and one mask int per block
-        once masks outgrow the small-int cache. tests/test_block_index.py checks this estimate
+        once masks outgrow the small-int cache. tests/unit/test_block_index.py checks this estimate
         against ``tracemalloc``.
         """
         pairs = sum(len(replica.blocks) for replica in self._replicas.values())

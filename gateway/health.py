@@ -25,20 +25,13 @@ import httpx
 from prometheus_client import Counter
 
 from gateway.index_mirror import ReplicaInfo
+from kvroute.protocol import replica_id_for
 
 log = logging.getLogger("kvroute.gateway.health")
 
 DEFAULT_EJECT_AFTER = 3
 DEFAULT_PROBE_INTERVAL_S = 1.0
 STATIC_EPOCH = "static"  # the epoch of a static replica's ReplicaInfo (it has no heartbeat)
-
-
-def replica_id_for(url: str) -> str:
-    """``host:port`` of a URL: the id a replica registers by default, so a static replica and its
-    Redis registration are one replica."""
-    parsed = httpx.URL(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    return f"{parsed.host}:{port}"
 
 
 class ReplicaHealth:

@@ -1,6 +1,6 @@
 """The gateway's exact, continuously updated copy of every replica's cache contents and load.
 
-One background asyncio task talks to Redis (kvroute.redis_schema is the contract):
+One background asyncio task talks to Redis (kvroute.protocol is the contract):
 
 - **Heartbeat poll**, every ``poll_interval``: the live replicas and their load. A replica whose
   heartbeat is gone is dropped from the index at once; a new one, or one whose epoch (or model)
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping, Sequence
@@ -43,15 +44,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from gateway.block_index import BlockIndex, PrefixMatch
-from kvroute.blocks import PROTOCOL_VERSION
-from kvroute.redis_schema import (
-    DEFAULT_PREFIX,
-    EventKind,
-    Keys,
-    decode_event,
-    decode_gateway_loads,
-    unpack_hashes,
-)
+from kvroute.protocol import DEFAULT_PREFIX, EventKind, Heartbeat, Keys, decode_event, unpack_hashes
 
 log = logging.getLogger("kvroute.gateway.mirror")
 
@@ -97,30 +90,8 @@ class ReplicaInfo:
     gateways: Mapping[str, tuple[int, int, int]] | None = None
 
     @classmethod
-    def from_heartbeat(cls, replica_id: str, fields: Mapping[bytes, bytes]) -> ReplicaInfo:
-        """Parses a heartbeat hash; ValueError/KeyError if it is malformed or of another version."""
-        version = int(fields[b"v"])
-        if version != PROTOCOL_VERSION:
-            raise ValueError(f"heartbeat protocol version {version}, this build speaks {PROTOCOL_VERSION}")
-
-        def text(name: str) -> str:
-            return fields[name.encode()].decode()
-
-        return cls(
-            replica_id=replica_id,
-            url=text("url"),
-            model=text("model"),
-            fingerprint=text("fingerprint"),
-            block_size=int(text("block_size")),
-            epoch=text("epoch"),
-            kv_total_pages=int(text("kv_total_pages")),
-            kv_used_pages=int(text("kv_used_pages")),
-            running=int(text("running")),
-            waiting=int(text("waiting")),
-            waiting_prefill_tokens=int(text("waiting_prefill_tokens")),
-            ts=float(text("ts")),
-            gateways=decode_gateway_loads(fields.get(b"gateways")),
-        )
+    def from_heartbeat(cls, replica_id: str, heartbeat: Heartbeat) -> ReplicaInfo:
+        return cls(replica_id, **{f.name: getattr(heartbeat, f.name) for f in dataclasses.fields(heartbeat)})
 
 
 @dataclass
@@ -466,7 +437,7 @@ class IndexMirror:
         if not fields:
             return None
         try:
-            info = ReplicaInfo.from_heartbeat(replica_id, fields)
+            info = ReplicaInfo.from_heartbeat(replica_id, Heartbeat.decode(fields))
         except (KeyError, ValueError) as error:
             if replica_id not in self._bad_heartbeats:
                 self._bad_heartbeats.add(replica_id)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from kvroute.openai_protocol import ChatCompletionRequest, CompletionRequest
+from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest
 
 RETRYABLE_STATUSES = frozenset({503})  # the replica is draining or its engine is down
 JSON_CONTENT = b"application/json"

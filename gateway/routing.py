@@ -18,9 +18,9 @@ from redis.exceptions import RedisError
 from gateway.health import ReplicaHealth
 from gateway.index_mirror import IndexMirror, ReplicaInfo
 from gateway.policies import Candidate, Decision, Policy, RouteRequest
-from kvroute.blocks import model_seed
-from kvroute.errors import APIError
-from kvroute.prompt_cache import Prompt
+from kvroute.openai_api.errors import APIError
+from kvroute.protocol import model_seed
+from kvroute.text.prompt_ids import PromptIds
 
 log = logging.getLogger("kvroute.gateway")
 
@@ -206,7 +206,7 @@ class Router:
         model: str,
         fingerprint: str,
         replicas: Sequence[ReplicaInfo],
-        prompt: Prompt,
+        prompt: PromptIds,
         session_id: str | None,
         *,
         policy: Policy | None = None,

@@ -13,7 +13,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from kvroute.errors import APIError, internal_error
+from kvroute.openai_api.errors import APIError, internal_error
 
 log = logging.getLogger("kvroute.http")
 

@@ -1,6 +1,6 @@
-"""``kvroute bench serve`` and ``kvroute bench compare``: their options; ``kvroute.cli`` hands them the
+"""``kvroute bench serve`` and ``kvroute bench compare``: their options; ``launcher.cli`` hands them the
 arguments after ``bench``, and the work itself is imported only once a command runs. The help uses
-``kvroute.cli``'s layout: every default shown, examples last."""
+``launcher.cli``'s layout: every default shown, examples last."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
-from kvroute.blocks import DEFAULT_BLOCK_SIZE
-from kvroute.cli import HelpFormatter, add_command, examples
+from kvroute.protocol import DEFAULT_BLOCK_SIZE
+from launcher.cli import HelpFormatter, add_command, examples
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
 

@@ -40,7 +40,7 @@ from loadtests.report import cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
 
 if TYPE_CHECKING:
-    from replica.engine import LLMEngine
+    from replica.engine.llm_engine import LLMEngine
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 ENGINES = ("ours", "transformers")
@@ -140,7 +140,7 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tu
     Returns the wall time and the duration of each step after the first token appeared (with
     one prompt, those are the pure decode steps).
     """
-    from replica.sampling_params import SamplingParams
+    from replica.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -163,7 +163,7 @@ def run_ours(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) -> tu
 
 def ours_first_token(engine: LLMEngine, prompt: list[int]) -> tuple[float, int]:
     """Seconds from submission to the first generated token, and the prompt tokens served from cache."""
-    from replica.sampling_params import SamplingParams
+    from replica.engine.sampling_params import SamplingParams
 
     request_id = f"t{next(_request_ids)}"
     start = time.perf_counter()
@@ -253,9 +253,9 @@ def ours_group(s: Settings, dtype: str) -> dict[str, Any]:
     """Every measurement of our engine, on one engine instance (random prompts keep runs independent)."""
     import torch
 
-    from kvroute.blocks import DEFAULT_BLOCK_SIZE
-    from replica.engine import LLMEngine
-    from replica.engine_config import EngineConfig
+    from kvroute.protocol import DEFAULT_BLOCK_SIZE
+    from replica.engine.config import EngineConfig
+    from replica.engine.llm_engine import LLMEngine
 
     config = EngineConfig(
         model=Path(s.model),
@@ -608,7 +608,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
         raise SystemExit("--new-tokens must be at least 2 (ms/step needs decode steps)")
     model = args.model
     if model is None:
-        from replica.prepare_model import prepare_default_model
+        from replica.tools.prepare_model import prepare_default_model
 
         model = prepare_default_model(progress=progress)
     return Settings(

@@ -3,7 +3,7 @@
 The replica answers instantly: by default the ``sim`` backend with its ``instant`` profile (the real
 replica server, tokenizer, scheduler, radix cache and Redis reporter, with a forward pass that
 costs nothing), as the gateway issue asks; ``--replica-engine torch`` serves a tiny random llama
-test model instead (``replica.test_models``, the smallest real engine response). Either serves the
+test model instead (``replica.tools.tiny_models``, the smallest real engine response). Either serves the
 tiny test model's tokenizer and config, with ``max_tokens=1``. Every request is
 the *same* 2,000-character chat (a fixed system + user message) on both sides: after the warm-up
 its prompt is in the replica's prefix cache for direct and gateway requests alike, so the cache
@@ -69,10 +69,10 @@ import aiohttp
 import httpx
 import uvloop
 
-from gateway.tokenizers import TokenizerRegistry
+from gateway.tokenizer_registry import TokenizerRegistry
 from gateway.upstream import UpstreamPool
-from kvroute.local_redis import RedisServer, free_port
-from kvroute.tokenizer import TextTokenizer
+from kvroute.text.tokenizer import TextTokenizer
+from launcher.local_redis import RedisServer, free_port
 from loadtests.report import add_size_options, chosen_sizes, cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
 
@@ -203,7 +203,7 @@ class Service:
 
 def kvroute_command(subcommand: str, port: int, *args: str) -> list[str]:
     return [
-        sys.executable, "-m", "kvroute.cli", subcommand,
+        sys.executable, "-m", "launcher.cli", subcommand,
         "--host", "127.0.0.1", "--port", str(port), *args, "--log-level", "warning",
     ]  # fmt: skip
 
@@ -727,7 +727,7 @@ def resolve_settings(args: argparse.Namespace) -> Settings:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from replica.test_models import make_test_model
+    from replica.tools.tiny_models import make_test_model
 
     argv = sys.argv[1:] if argv is None else argv
     s = resolve_settings(parse_args(argv))

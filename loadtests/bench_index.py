@@ -1,6 +1,6 @@
 """The Redis cache index, end to end: publish and apply throughput, lookup latency, bootstrap, memory.
 
-Everything runs against a private redis-server on a free loopback port (``kvroute.local_redis``):
+Everything runs against a private redis-server on a free loopback port (``launcher.local_redis``):
 
 1. **Publish throughput**: one ``KVPublisher`` is handed N stored hashes (outbox appends of
    ``APPEND_HASHES``); timed from the first append until Redis's blocks set holds all N.
@@ -51,16 +51,15 @@ from redis.asyncio import Redis
 
 from gateway.block_index import BlockIndex
 from gateway.index_mirror import IndexMirror
-from kvroute.blocks import DEFAULT_BLOCK_SIZE, PROTOCOL_VERSION
-from kvroute.local_redis import RedisServer
-from kvroute.redis_schema import EventKind, Keys, decode_event
+from kvroute.protocol import DEFAULT_BLOCK_SIZE, PROTOCOL_VERSION, EventKind, Keys, decode_event
+from launcher.local_redis import RedisServer
 from loadtests.report import add_size_options, chosen_sizes, cpu_model, package_version, publish, warn_if_busy
 from loadtests.report import progress as log_progress
-from replica.kv_events import KVEventKind, KVEventOutbox
-from replica.kv_publisher import KVPublisher, PublisherConfig
+from replica.kvcache.events import KVEventOutbox
+from replica.publisher import KVPublisher, PublisherConfig
 
 if TYPE_CHECKING:
-    from replica.engine import EngineStats
+    from replica.engine.llm_engine import EngineStats
 
 # Sizes of a full run and of a --quick smoke run; explicit options override either.
 FULL = {"blocks": 1_000_000, "replicas": 64, "prompt_blocks": 512, "lookups": 20_000}
@@ -124,7 +123,7 @@ def phase_timeout(blocks: int) -> float:
 
 @dataclass(frozen=True)
 class _IdleEngine:
-    """The EngineStats fields a heartbeat reads; replica.engine itself would import torch."""
+    """The EngineStats fields a heartbeat reads; replica.engine.llm_engine itself would import torch."""
 
     num_running: int = 0
     num_waiting: int = 0
@@ -270,7 +269,7 @@ async def publish_and_apply(redis_url: str, blocks: int, rng: np.random.Generato
         watch = asyncio.create_task(lowest_ttl_ms(client, KEYS.heartbeat(PUBLISHER_ID), finished))
         started = time.time()
         for chunk in appends:
-            outbox.append(KVEventKind.STORED, chunk, time.time())
+            outbox.append(EventKind.STORED, chunk, time.time())
         await poll_until(set_holds(client, blocks), phase_timeout(blocks), "Redis to hold every hash")
         published = time.time()
         mirrored = await receive(conn, phase_timeout(blocks))

@@ -8,12 +8,12 @@ from typing import Any
 
 import pytest
 
-from kvroute.local_redis import RedisServer
-from replica.engine import LLMEngine
-from replica.engine_config import EngineConfig
-from replica.kv_events import KVEventOutbox
-from replica.prepare_model import prepare_default_model
-from replica.test_models import make_test_model
+from launcher.local_redis import RedisServer
+from replica.engine.config import EngineConfig
+from replica.engine.llm_engine import LLMEngine
+from replica.kvcache.events import KVEventOutbox
+from replica.tools.prepare_model import prepare_default_model
+from replica.tools.tiny_models import make_test_model
 
 
 @pytest.fixture(scope="session")

@@ -25,8 +25,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvroute.local_redis import free_port
-from kvroute.stack import LocalStack, StackSettings
+from launcher.local_redis import free_port
+from launcher.stack import LocalStack, StackSettings
 from loadtests.report import cpu_model, package_version, progress
 from loadtests.serving.client import Endpoint
 from loadtests.serving.report import save_figure
@@ -239,7 +239,7 @@ def run_compare_command(args: argparse.Namespace) -> None:
     if args.replicas < 1:
         raise ValueError("--replicas must be at least 1")
     if args.model_dir is None:
-        from replica.prepare_model import prepare_default_model
+        from replica.tools.prepare_model import prepare_default_model
 
         args.model_dir = prepare_default_model(progress=lambda message: progress(BENCH, message))
     args.tokenizer = args.tokenizer or args.model_dir

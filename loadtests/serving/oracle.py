@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from kvroute.blocks import block_hashes
-from kvroute.tokenizer import TextTokenizer
+from kvroute.protocol import block_hashes
+from kvroute.text.tokenizer import TextTokenizer
 from loadtests.serving.client import completion_prompt
 
 ORACLE_SEED = 0  # any fixed chain root: only equality of prefixes matters here

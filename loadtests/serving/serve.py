@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from kvroute.tokenizer import TextTokenizer
+from kvroute.text.tokenizer import TextTokenizer
 from loadtests.bench_cli import percentiles, shown_metrics, workload_options
 from loadtests.report import cpu_model, package_version, progress
 from loadtests.serving.client import Endpoint, RequestRecord
@@ -204,7 +204,7 @@ def write_results(settings: ServeSettings, points: list[ServePoint], out: Path, 
 def load_tokenizer(path: Path | None) -> TextTokenizer:
     """The workload's tokenizer: the given model directory, else the default model (prepared once)."""
     if path is None:
-        from replica.prepare_model import prepare_default_model
+        from replica.tools.prepare_model import prepare_default_model
 
         path = prepare_default_model(progress=lambda message: progress(BENCH, message))
     return TextTokenizer.from_dir(path)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvroute.tokenizer import TextTokenizer
+from kvroute.text.tokenizer import TextTokenizer
 
 Message = dict[str, Any]
 

@@ -1,0 +1,1 @@
+"""The OpenAI wire format both sides speak: request schemas (``schema``) and error objects (``errors``)."""

@@ -1,0 +1,147 @@
+"""The torch engine's runner: loads the model and its KV pool, turns a scheduled batch into
+tensors, runs the model and samples the next tokens (the engine's only torch-dependent part)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from replica.engine.config import EngineConfig
+from replica.engine.outputs import TokenLogprob
+from replica.engine.scheduler import ScheduledBatch
+from replica.engine.sequence import Sequence
+from replica.kvcache.pool import KVPool, pool_pages
+from replica.model.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask
+from replica.model.config import ModelConfig
+from replica.model.decoder import DecoderLM
+from replica.model.sampler import sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, config: ModelConfig, device: str) -> torch.dtype:
+    """``auto``: the checkpoint's dtype on CUDA; on CPU bf16 where the CPU computes it natively
+    (AVX512-BF16/AMX: several times faster prefill, half the memory traffic), else fp32."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            name = config.torch_dtype if config.torch_dtype in _DTYPES else "bfloat16"
+        else:
+            name = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, model: DecoderLM, pool: KVPool, device: str) -> None:
+        self.model = model
+        self.pool = pool
+        self.device = device
+        self.page_size = pool.page_size
+        self._page_offsets = torch.arange(pool.page_size, device=device)
+
+    @classmethod
+    def load(cls, config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
+        """Loads the weights and allocates the KV pool (``kv_cache_tokens`` or the memory budget)."""
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        dtype = resolve_dtype(config.dtype, model_config, config.device)
+        model = DecoderLM.load(Path(config.model), model_config, dtype, config.device)
+        pages = pool_pages(config, model_config.kv_bytes_per_token(dtype.itemsize))
+        pool = KVPool(
+            model_config.num_layers,
+            pages,
+            config.block_size,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            dtype,
+            config.device,
+        )
+        return cls(model, pool, config.device)
+
+    @property
+    def description(self) -> str:
+        dtype = str(self.pool.kv.dtype).removeprefix("torch.")
+        return f"{dtype}, {self.device}, weights {self.model.weight_bytes() / 1e6:.1f} MB"
+
+    def generator(self, seed: int) -> torch.Generator:
+        """The random stream of one sequence that samples (not greedy)."""
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(seed)
+        return generator
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[tuple[Sequence, int, TokenLogprob | None]]:
+        """Runs the step and samples: each sequence whose tokens are all computed, with its next token."""
+        seqs, logits = self.run(batch)
+        if not seqs:
+            return []
+        picks = sample(logits, seqs)
+        return [(seq, token, logprob) for seq, (token, logprob) in zip(seqs, picks, strict=True)]
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[list[Sequence], torch.Tensor]:
+        """Computes this step's tokens; returns the sequences that sample and their logits [S, vocab]."""
+        spans = batch.spans()
+        input_ids: list[int] = []
+        positions: list[int] = []
+        for seq, start, length in spans:
+            input_ids += seq.token_ids[start : start + length]
+            positions += range(start, start + length)
+        positions_t = torch.tensor(positions, device=self.device)
+        attention = self._attention_batch(batch, spans)
+        hidden = self.model.forward(
+            torch.tensor(input_ids, device=self.device), positions_t, attention, self.pool.kv
+        )
+        samplers: list[Sequence] = []
+        rows: list[int] = []
+        offset = 0
+        for seq, start, length in spans:
+            offset += length
+            if start + length == len(seq.token_ids):
+                samplers.append(seq)
+                rows.append(offset - 1)
+        for seq, start, length in spans:
+            seq.num_computed = start + length
+        if not rows:
+            return [], hidden.new_empty((0, 0))
+        return samplers, self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+
+    def _slots(self, page_table: list[int] | torch.Tensor) -> torch.Tensor:
+        """Every slot of these pages, in order: [pages * page_size] (or batched: [..., slots])."""
+        pages = torch.as_tensor(page_table, device=self.device)
+        return (pages.unsqueeze(-1) * self.page_size + self._page_offsets).flatten(-2)
+
+    def _attention_batch(
+        self,
+        batch: ScheduledBatch,
+        spans: list[tuple[Sequence, int, int]],
+    ) -> AttentionBatch:
+        size = self.page_size
+        decode_slots = decode_mask = None
+        slot_parts: list[torch.Tensor] = []
+        if batch.decodes:
+            lengths = torch.tensor([seq.num_computed + 1 for seq in batch.decodes], device=self.device)
+            longest = int(lengths.max())
+            width = -(-longest // size)
+            table = [(seq.page_table + [0] * width)[:width] for seq in batch.decodes]
+            decode_slots = self._slots(table)[:, :longest]
+            slot_parts.append(decode_slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1))
+            if int(lengths.min()) != longest:
+                valid = torch.arange(longest, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+                decode_mask = valid[:, None, None, :]
+        prefills: list[PrefillSpan] = []
+        flat = len(batch.decodes)
+        for seq, start, length in spans[len(batch.decodes) :]:
+            context = start + length
+            slots = self._slots(seq.page_table[: -(-context // size)])[:context]
+            slot_parts.append(slots[start:])
+            if start == 0:
+                prefills.append(PrefillSpan(flat, length, None, None))
+            else:
+                mask = bottom_right_causal_mask(length, context, self.device)
+                prefills.append(PrefillSpan(flat, length, slots, mask))
+            flat += length
+        slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
+        return AttentionBatch(slot_mapping, len(batch.decodes), decode_slots, decode_mask, prefills)

@@ -1,0 +1,1 @@
+"""The replica's HTTP face: the app and its routes (``app``), OpenAI replies (``openai_serving``), metrics."""

@@ -1,0 +1,1 @@
+"""Offline tools: the default model's preparation, the memory planner, tiny test models."""

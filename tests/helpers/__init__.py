@@ -1,0 +1,1 @@
+"""What several test groups share: real processes, chats, command-line parsing."""
