@@ -5,5 +5,5 @@
 # replicas and the gateway on http://127.0.0.1:8000/v1. Extra arguments go to `kvroute up`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-source scripts/setup.sh prepare,bench,client
+source scripts/setup.sh all
 exec kvroute up --host "${KVROUTE_HOST:-127.0.0.1}" --port "${KVROUTE_PORT:-8000}" "$@"

