@@ -48,6 +48,12 @@ def make_engine(llama_dir: Path) -> EngineFactory:
 
 
 @pytest.fixture
+def anyio_backend() -> str:
+    """``async def`` tests (marked ``pytest.mark.anyio``) run on asyncio, as the product does."""
+    return "asyncio"
+
+
+@pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A fresh, private redis-server per test, killed afterwards."""
     server = RedisServer(tmp_path)

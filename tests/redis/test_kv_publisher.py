@@ -42,6 +42,8 @@ from tests.conftest import EngineFactory
 from tests.helpers.processes import ReplicaProcess
 from tests.unit.test_engine_logits import random_prompt
 
+pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
+
 KEYS = Keys()
 REPLICA = "127.0.0.1:8001"
 URL = "http://127.0.0.1:8001"
@@ -166,126 +168,114 @@ def frozen(server: RedisServer) -> Iterator[None]:
         os.kill(server.process.pid, signal.SIGCONT)
 
 
-def test_registers_with_a_full_heartbeat_and_a_cleared_event(redis_server: RedisServer) -> None:
+async def test_registers_with_a_full_heartbeat_and_a_cleared_event(redis_server: RedisServer) -> None:
     client = redis_server.client()
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, KVEventOutbox())
-        await publisher.start()
-        try:
-            assert publisher.connected and len(publisher.epoch) == 16
-            beat = heartbeat(client)
-            assert set(beat) == set(HEARTBEAT_FIELDS)
-            assert beat | {"ts": ""} == {
-                "v": str(PROTOCOL_VERSION),
-                "url": URL,
-                "model": MODEL,
-                "fingerprint": "f00d",
-                "block_size": "16",
-                "epoch": publisher.epoch,
-                "kv_total_pages": "64",
-                "kv_used_pages": "0",
-                "running": "0",
-                "waiting": "0",
-                "waiting_prefill_tokens": "0",
-                "gateways": "{}",
-                "ts": "",
-            }
-            assert abs(float(beat["ts"]) - time.time()) < 5
-            assert 0 < client.pttl(KEYS.heartbeat(REPLICA)) <= 600
-            assert client.smembers(KEYS.replicas) == {REPLICA.encode()}
-            (first,) = stream(client)
-            assert (first.kind, first.epoch, first.replica_id, first.hashes) == (
-                EventKind.CLEARED,
-                publisher.epoch,
-                REPLICA,
-                [],
-            )
-            # refreshed before it expires
-            await asyncio.sleep(1.0)
-            assert heartbeat(client)["epoch"] == publisher.epoch
-            assert float(heartbeat(client)["ts"]) > float(beat["ts"])
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = outbox_publisher(redis_server, KVEventOutbox())
+    await publisher.start()
+    try:
+        assert publisher.connected and len(publisher.epoch) == 16
+        beat = heartbeat(client)
+        assert set(beat) == set(HEARTBEAT_FIELDS)
+        assert beat | {"ts": ""} == {
+            "v": str(PROTOCOL_VERSION),
+            "url": URL,
+            "model": MODEL,
+            "fingerprint": "f00d",
+            "block_size": "16",
+            "epoch": publisher.epoch,
+            "kv_total_pages": "64",
+            "kv_used_pages": "0",
+            "running": "0",
+            "waiting": "0",
+            "waiting_prefill_tokens": "0",
+            "gateways": "{}",
+            "ts": "",
+        }
+        assert abs(float(beat["ts"]) - time.time()) < 5
+        assert 0 < client.pttl(KEYS.heartbeat(REPLICA)) <= 600
+        assert client.smembers(KEYS.replicas) == {REPLICA.encode()}
+        (first,) = stream(client)
+        assert (first.kind, first.epoch, first.replica_id, first.hashes) == (
+            EventKind.CLEARED,
+            publisher.epoch,
+            REPLICA,
+            [],
+        )
+        # refreshed before it expires
+        await asyncio.sleep(1.0)
+        assert heartbeat(client)["epoch"] == publisher.epoch
+        assert float(heartbeat(client)["ts"]) > float(beat["ts"])
+    finally:
+        await publisher.stop()
 
 
-def test_publishes_exactly_what_the_engine_caches(
+async def test_publishes_exactly_what_the_engine_caches(
     redis_server: RedisServer, make_engine: EngineFactory
 ) -> None:
     client = redis_server.client()
     engine = make_engine()
     prompt = random_prompt(100, seed=3)
 
-    async def scenario() -> None:
-        publisher = engine_publisher(redis_server, engine)
-        await publisher.start()
-        try:
-            # the engine runs on its own thread while the publisher drains concurrently
-            output = await asyncio.to_thread(generate, engine, "a", prompt, 30)
-            await until(lambda: in_sync(client, publisher, engine))
-            expected = block_hashes(prompt + output, 16, engine.block_seed)
-            assert len(expected) == 8 and redis_blocks(client) == set(expected)
-            events = stream(client, engine.served_model_name)
-            assert sorted(hashes_of(events, EventKind.STORED)) == sorted(expected)
-            assert replay(events) == (publisher.epoch, set(expected))
+    publisher = engine_publisher(redis_server, engine)
+    await publisher.start()
+    try:
+        # the engine runs on its own thread while the publisher drains concurrently
+        output = await asyncio.to_thread(generate, engine, "a", prompt, 30)
+        await until(lambda: in_sync(client, publisher, engine))
+        expected = block_hashes(prompt + output, 16, engine.block_seed)
+        assert len(expected) == 8 and redis_blocks(client) == set(expected)
+        events = stream(client, engine.served_model_name)
+        assert sorted(hashes_of(events, EventKind.STORED)) == sorted(expected)
+        assert replay(events) == (publisher.epoch, set(expected))
 
-            assert engine.cache.evict(3) == 3
-            await until(lambda: in_sync(client, publisher, engine))
-            assert redis_blocks(client) == set(expected[:5])
-            events = stream(client, engine.served_model_name)
-            assert sorted(hashes_of(events, EventKind.REMOVED)) == sorted(expected[5:])
-            assert replay(events) == (publisher.epoch, set(expected[:5]))
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+        assert engine.cache.evict(3) == 3
+        await until(lambda: in_sync(client, publisher, engine))
+        assert redis_blocks(client) == set(expected[:5])
+        events = stream(client, engine.served_model_name)
+        assert sorted(hashes_of(events, EventKind.REMOVED)) == sorted(expected[5:])
+        assert replay(events) == (publisher.epoch, set(expected[:5]))
+    finally:
+        await publisher.stop()
 
 
-def test_a_flush_starts_a_new_epoch_in_the_same_transaction(redis_server: RedisServer) -> None:
+async def test_a_flush_starts_a_new_epoch_in_the_same_transaction(redis_server: RedisServer) -> None:
     client = redis_server.client()
     outbox = KVEventOutbox()
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, outbox)
-        await publisher.start()
-        first_epoch = publisher.epoch
-        try:
-            outbox.append(EventKind.STORED, [1, 2, 3], time.time())
-            outbox.append(EventKind.CLEARED, [], time.time())
-            outbox.append(EventKind.STORED, [4], time.time())
-            await until(lambda: redis_blocks(client) == {4})
-            assert publisher.epoch != first_epoch and publisher.blocks == {4}
-            assert heartbeat(client)["epoch"] == publisher.epoch
-            assert replay(stream(client)) == (publisher.epoch, {4})
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = outbox_publisher(redis_server, outbox)
+    await publisher.start()
+    first_epoch = publisher.epoch
+    try:
+        outbox.append(EventKind.STORED, [1, 2, 3], time.time())
+        outbox.append(EventKind.CLEARED, [], time.time())
+        outbox.append(EventKind.STORED, [4], time.time())
+        await until(lambda: redis_blocks(client) == {4})
+        assert publisher.epoch != first_epoch and publisher.blocks == {4}
+        assert heartbeat(client)["epoch"] == publisher.epoch
+        assert replay(stream(client)) == (publisher.epoch, {4})
+    finally:
+        await publisher.stop()
 
 
-def test_big_batches_are_split_and_still_replay(redis_server: RedisServer) -> None:
+async def test_big_batches_are_split_and_still_replay(redis_server: RedisServer) -> None:
     client = redis_server.client()
     outbox = KVEventOutbox()
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, outbox, max_batch_hashes=100)
-        await publisher.start()
-        try:
-            outbox.append(EventKind.STORED, list(range(1, 1001)), time.time())
-            outbox.append(EventKind.REMOVED, list(range(1, 251)), time.time())
-            await until(lambda: redis_blocks(client) == set(range(251, 1001)))
-            events = stream(client)
-            assert max(len(event.hashes) for event in events) == 100
-            assert replay(events) == (publisher.epoch, set(range(251, 1001)))
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = outbox_publisher(redis_server, outbox, max_batch_hashes=100)
+    await publisher.start()
+    try:
+        outbox.append(EventKind.STORED, list(range(1, 1001)), time.time())
+        outbox.append(EventKind.REMOVED, list(range(1, 251)), time.time())
+        await until(lambda: redis_blocks(client) == set(range(251, 1001)))
+        events = stream(client)
+        assert max(len(event.hashes) for event in events) == 100
+        assert replay(events) == (publisher.epoch, set(range(251, 1001)))
+    finally:
+        await publisher.stop()
 
 
-def test_a_big_snapshot_gets_a_deadline_sized_to_it(redis_server: RedisServer) -> None:
+async def test_a_big_snapshot_gets_a_deadline_sized_to_it(redis_server: RedisServer) -> None:
     """A republish is one transaction however big the cache: a fixed deadline shorter than its
     work would fail it on every retry, and the replica would never come back."""
     client = redis_server.client()
@@ -293,19 +283,16 @@ def test_a_big_snapshot_gets_a_deadline_sized_to_it(redis_server: RedisServer) -
     snapshot = list(range(1, 300_001))
     outbox.append(EventKind.STORED, snapshot, time.time())
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, outbox, socket_timeout=0.1)
-        await publisher.start()  # the registration republishes what the outbox already holds
-        try:
-            assert publisher.connected
-            assert client.scard(KEYS.blocks(REPLICA)) == len(snapshot)
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = outbox_publisher(redis_server, outbox, socket_timeout=0.1)
+    await publisher.start()  # the registration republishes what the outbox already holds
+    try:
+        assert publisher.connected
+        assert client.scard(KEYS.blocks(REPLICA)) == len(snapshot)
+    finally:
+        await publisher.stop()
 
 
-def test_heartbeat_tracks_load_and_stop_deregisters(
+async def test_heartbeat_tracks_load_and_stop_deregisters(
     redis_server: RedisServer, make_engine: EngineFactory
 ) -> None:
     client = redis_server.client()
@@ -315,137 +302,125 @@ def test_heartbeat_tracks_load_and_stop_deregisters(
     def load_is(**expected: str) -> Callable[[], bool]:
         return lambda: expected.items() <= heartbeat(client).items()
 
-    async def scenario() -> None:
-        publisher = engine_publisher(redis_server, engine)
-        await publisher.start()
-        stopped = False
-        try:
-            engine.add_request("a", random_prompt(40, seed=4), params)
-            await until(load_is(waiting="1", waiting_prefill_tokens="40", running="0"))
-            engine.step()  # the whole prompt fits one step's budget
-            await until(load_is(waiting="0", waiting_prefill_tokens="0", running="1"))
-            assert int(heartbeat(client)["kv_used_pages"]) >= 3
-            while engine.has_unfinished():
-                engine.step()
-            await until(load_is(running="0"))
-            await until(lambda: in_sync(client, publisher, engine))
-            assert redis_blocks(client)
-            client.sadd(KEYS.drained, REPLICA, "another-replica")  # an admin drained it (and another)
+    publisher = engine_publisher(redis_server, engine)
+    await publisher.start()
+    stopped = False
+    try:
+        engine.add_request("a", random_prompt(40, seed=4), params)
+        await until(load_is(waiting="1", waiting_prefill_tokens="40", running="0"))
+        engine.step()  # the whole prompt fits one step's budget
+        await until(load_is(waiting="0", waiting_prefill_tokens="0", running="1"))
+        assert int(heartbeat(client)["kv_used_pages"]) >= 3
+        while engine.has_unfinished():
+            engine.step()
+        await until(load_is(running="0"))
+        await until(lambda: in_sync(client, publisher, engine))
+        assert redis_blocks(client)
+        client.sadd(KEYS.drained, REPLICA, "another-replica")  # an admin drained it (and another)
 
+        await publisher.stop()
+        stopped = True
+        assert not publisher.connected
+        assert not client.exists(KEYS.heartbeat(REPLICA), KEYS.blocks(REPLICA))
+        assert client.smembers(KEYS.replicas) == set()
+        assert client.smembers(KEYS.drained) == {b"another-replica"}, "a drain ends with its replica"
+        events = stream(client, engine.served_model_name)
+        assert events[-1].kind is EventKind.CLEARED and events[-1].epoch == publisher.epoch
+        assert replay(events) == (publisher.epoch, set())
+    finally:
+        if not stopped:
             await publisher.stop()
-            stopped = True
-            assert not publisher.connected
-            assert not client.exists(KEYS.heartbeat(REPLICA), KEYS.blocks(REPLICA))
-            assert client.smembers(KEYS.replicas) == set()
-            assert client.smembers(KEYS.drained) == {b"another-replica"}, "a drain ends with its replica"
-            events = stream(client, engine.served_model_name)
-            assert events[-1].kind is EventKind.CLEARED and events[-1].epoch == publisher.epoch
-            assert replay(events) == (publisher.epoch, set())
-        finally:
-            if not stopped:
-                await publisher.stop()
-
-    asyncio.run(scenario())
 
 
-def test_redis_restart_republishes_everything_under_a_new_epoch(
+async def test_redis_restart_republishes_everything_under_a_new_epoch(
     redis_server: RedisServer, make_engine: EngineFactory
 ) -> None:
     client = redis_server.client()
     engine = make_engine()
     model = engine.served_model_name
 
-    async def scenario() -> None:
-        publisher = engine_publisher(redis_server, engine)
-        await publisher.start()
-        try:
-            await asyncio.to_thread(generate, engine, "a", random_prompt(70, seed=5), 10)
-            await until(lambda: in_sync(client, publisher, engine))
-            old_epoch = publisher.epoch
+    publisher = engine_publisher(redis_server, engine)
+    await publisher.start()
+    try:
+        await asyncio.to_thread(generate, engine, "a", random_prompt(70, seed=5), 10)
+        await until(lambda: in_sync(client, publisher, engine))
+        old_epoch = publisher.epoch
 
-            redis_server.stop()
-            await asyncio.to_thread(generate, engine, "b", random_prompt(90, seed=6), 10)
-            assert engine.cache.evict(2) == 2
-            await until(lambda: not publisher.connected)
-            await until(lambda: publisher.blocks == engine.cache.block_hashes())
+        redis_server.stop()
+        await asyncio.to_thread(generate, engine, "b", random_prompt(90, seed=6), 10)
+        assert engine.cache.evict(2) == 2
+        await until(lambda: not publisher.connected)
+        await until(lambda: publisher.blocks == engine.cache.block_hashes())
 
-            redis_server.start()  # empty: no persistence
-            await until(lambda: publisher.connected and in_sync(client, publisher, engine))
-            assert publisher.epoch != old_epoch
-            assert heartbeat(client)["epoch"] == publisher.epoch
-            assert client.smembers(KEYS.replicas) == {REPLICA.encode()}
-            events = stream(client, model)
-            assert (events[0].kind, events[0].epoch) == (EventKind.CLEARED, publisher.epoch)
-            assert {event.kind for event in events[1:]} == {EventKind.STORED}
-            assert sorted(hashes_of(events, EventKind.STORED)) == sorted(publisher.blocks)
-            assert replay(events) == (publisher.epoch, publisher.blocks)
+        redis_server.start()  # empty: no persistence
+        await until(lambda: publisher.connected and in_sync(client, publisher, engine))
+        assert publisher.epoch != old_epoch
+        assert heartbeat(client)["epoch"] == publisher.epoch
+        assert client.smembers(KEYS.replicas) == {REPLICA.encode()}
+        events = stream(client, model)
+        assert (events[0].kind, events[0].epoch) == (EventKind.CLEARED, publisher.epoch)
+        assert {event.kind for event in events[1:]} == {EventKind.STORED}
+        assert sorted(hashes_of(events, EventKind.STORED)) == sorted(publisher.blocks)
+        assert replay(events) == (publisher.epoch, publisher.blocks)
 
-            # and ordinary publishing carries on
-            await asyncio.to_thread(generate, engine, "c", random_prompt(50, seed=7), 10)
-            await until(lambda: in_sync(client, publisher, engine))
-            assert replay(stream(client, model)) == (publisher.epoch, publisher.blocks)
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+        # and ordinary publishing carries on
+        await asyncio.to_thread(generate, engine, "c", random_prompt(50, seed=7), 10)
+        await until(lambda: in_sync(client, publisher, engine))
+        assert replay(stream(client, model)) == (publisher.epoch, publisher.blocks)
+    finally:
+        await publisher.stop()
 
 
-def test_hung_redis_times_out_resyncs_and_never_blocks_stop(redis_server: RedisServer) -> None:
+async def test_hung_redis_times_out_resyncs_and_never_blocks_stop(redis_server: RedisServer) -> None:
     client = redis_server.client()
     outbox = KVEventOutbox()
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, outbox, socket_timeout=0.3)
-        await publisher.start()
-        stopped = False
-        try:
-            outbox.append(EventKind.STORED, [1, 2, 3], time.time())
-            await until(lambda: redis_blocks(client) == {1, 2, 3})
-            old_epoch = publisher.epoch
-            with frozen(redis_server):
-                outbox.append(EventKind.STORED, [4], time.time())
-                outbox.append(EventKind.REMOVED, [1], time.time())
-                await until(lambda: not publisher.connected)
-            # Redis kept its data but may have missed any part of it: a full republish fixes that
-            await until(lambda: publisher.connected and redis_blocks(client) == {2, 3, 4})
-            assert publisher.epoch != old_epoch and heartbeat(client)["epoch"] == publisher.epoch
-            assert replay(stream(client)) == (publisher.epoch, {2, 3, 4})
+    publisher = outbox_publisher(redis_server, outbox, socket_timeout=0.3)
+    await publisher.start()
+    stopped = False
+    try:
+        outbox.append(EventKind.STORED, [1, 2, 3], time.time())
+        await until(lambda: redis_blocks(client) == {1, 2, 3})
+        old_epoch = publisher.epoch
+        with frozen(redis_server):
+            outbox.append(EventKind.STORED, [4], time.time())
+            outbox.append(EventKind.REMOVED, [1], time.time())
+            await until(lambda: not publisher.connected)
+        # Redis kept its data but may have missed any part of it: a full republish fixes that
+        await until(lambda: publisher.connected and redis_blocks(client) == {2, 3, 4})
+        assert publisher.epoch != old_epoch and heartbeat(client)["epoch"] == publisher.epoch
+        assert replay(stream(client)) == (publisher.epoch, {2, 3, 4})
 
-            with frozen(redis_server):
-                started = time.monotonic()
-                await publisher.stop()
-                stopped = True
-                assert time.monotonic() - started < 1.5
-        finally:
-            if not stopped:
-                await publisher.stop()
-
-    asyncio.run(scenario())
+        with frozen(redis_server):
+            started = time.monotonic()
+            await publisher.stop()
+            stopped = True
+            assert time.monotonic() - started < 1.5
+    finally:
+        if not stopped:
+            await publisher.stop()
 
 
-def test_starts_without_redis_and_registers_when_it_appears(redis_server: RedisServer) -> None:
+async def test_starts_without_redis_and_registers_when_it_appears(redis_server: RedisServer) -> None:
     client = redis_server.client()
     outbox = KVEventOutbox()
     redis_server.stop()
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, outbox)
-        await publisher.start()
-        try:
-            assert not publisher.connected
-            outbox.append(EventKind.STORED, [7, 8], time.time())
-            await until(lambda: publisher.blocks == {7, 8})
-            redis_server.start()
-            await until(lambda: publisher.connected and redis_blocks(client) == {7, 8})
-            assert heartbeat(client)["epoch"] == publisher.epoch
-            assert replay(stream(client)) == (publisher.epoch, {7, 8})
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = outbox_publisher(redis_server, outbox)
+    await publisher.start()
+    try:
+        assert not publisher.connected
+        outbox.append(EventKind.STORED, [7, 8], time.time())
+        await until(lambda: publisher.blocks == {7, 8})
+        redis_server.start()
+        await until(lambda: publisher.connected and redis_blocks(client) == {7, 8})
+        assert heartbeat(client)["epoch"] == publisher.epoch
+        assert replay(stream(client)) == (publisher.epoch, {7, 8})
+    finally:
+        await publisher.stop()
 
 
-def test_a_failing_stats_read_skips_one_beat_and_keeps_the_epoch(redis_server: RedisServer) -> None:
+async def test_a_failing_stats_read_skips_one_beat_and_keeps_the_epoch(redis_server: RedisServer) -> None:
     """engine.stats() runs on the event loop while the engine thread mutates the scheduler, so a
     read can fail now and then; that must not cost a new epoch (mirrors would drop the replica)."""
     client = redis_server.client()
@@ -456,48 +431,42 @@ def test_a_failing_stats_read_skips_one_beat_and_keeps_the_epoch(redis_server: R
             raise RuntimeError("deque mutated during iteration")
         return IDLE
 
-    async def scenario() -> None:
-        publisher = KVPublisher(
-            fast_config(redis_server),
-            model=MODEL,
-            fingerprint="f00d",
-            block_size=16,
-            outbox=KVEventOutbox(),
-            stats=flaky_stats,
-        )
-        await publisher.start()
-        try:
-            first_beat = float(heartbeat(client)["ts"])
-            await asyncio.sleep(0.8)
-            assert next(calls) >= 6, "heartbeats stopped"
-            assert publisher.connected and float(heartbeat(client)["ts"]) > first_beat
-            assert heartbeat(client)["epoch"] == publisher.epoch
-            assert [event.kind for event in stream(client)] == [EventKind.CLEARED]
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = KVPublisher(
+        fast_config(redis_server),
+        model=MODEL,
+        fingerprint="f00d",
+        block_size=16,
+        outbox=KVEventOutbox(),
+        stats=flaky_stats,
+    )
+    await publisher.start()
+    try:
+        first_beat = float(heartbeat(client)["ts"])
+        await asyncio.sleep(0.8)
+        assert next(calls) >= 6, "heartbeats stopped"
+        assert publisher.connected and float(heartbeat(client)["ts"]) > first_beat
+        assert heartbeat(client)["epoch"] == publisher.epoch
+        assert [event.kind for event in stream(client)] == [EventKind.CLEARED]
+    finally:
+        await publisher.stop()
 
 
-def test_stream_is_trimmed(redis_server: RedisServer) -> None:
+async def test_stream_is_trimmed(redis_server: RedisServer) -> None:
     client = redis_server.client()
     outbox = KVEventOutbox()
 
-    async def scenario() -> None:
-        publisher = outbox_publisher(redis_server, outbox, stream_maxlen=50)
-        await publisher.start()
-        try:
-            for block in range(1, 1001):  # alternating kinds: nothing merges, 2000 events
-                outbox.append(EventKind.STORED, [block], time.time())
-                outbox.append(EventKind.REMOVED, [block], time.time())
-            outbox.append(EventKind.STORED, [5000], time.time())
-            await until(lambda: redis_blocks(client) == {5000})
-            # approximate MAXLEN trims whole stream nodes (100 entries by default)
-            assert 50 <= client.xlen(KEYS.events(MODEL)) <= 50 + 100
-        finally:
-            await publisher.stop()
-
-    asyncio.run(scenario())
+    publisher = outbox_publisher(redis_server, outbox, stream_maxlen=50)
+    await publisher.start()
+    try:
+        for block in range(1, 1001):  # alternating kinds: nothing merges, 2000 events
+            outbox.append(EventKind.STORED, [block], time.time())
+            outbox.append(EventKind.REMOVED, [block], time.time())
+        outbox.append(EventKind.STORED, [5000], time.time())
+        await until(lambda: redis_blocks(client) == {5000})
+        # approximate MAXLEN trims whole stream nodes (100 entries by default)
+        assert 50 <= client.xlen(KEYS.events(MODEL)) <= 50 + 100
+    finally:
+        await publisher.stop()
 
 
 def test_default_identity() -> None:
