@@ -17,8 +17,8 @@
   URL, answering or not.
 
 Per-request policy override: a ``/v1`` request with ``x-kvroute-policy: <name>`` and the admin
-key as its Bearer token is routed by that policy (:meth:`AdminAPI.policy_override`); the header is
-ignored for any other caller, so clients that send it blindly are not broken by it.
+key as its Bearer token is routed by that policy (``gateway.pipeline``); the header is ignored for
+any other caller, so clients that send it blindly are not broken by it.
 """
 
 from __future__ import annotations
@@ -27,35 +27,43 @@ import json
 import math
 import time
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from gateway.auth import ADMIN, AUTH_SCOPE_KEY
-from gateway.health import STATIC_EPOCH
-from gateway.index_mirror import ReplicaInfo
-from gateway.metrics import ReplicaStats
-from gateway.policies import POLICIES, Policy, make_policy
+from gateway.fleet.fleet import Fleet
+from gateway.fleet.replica import Replica
+from gateway.index.block_index import BlockIndex
+from gateway.index.drains import SharedDrains
+from gateway.metrics import GatewayMetrics
+from gateway.pipeline import Pipeline
+from gateway.routing import Router
 from kvroute.http import openai_errors, read_body
 from kvroute.openai_api.errors import APIError
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
 
-if TYPE_CHECKING:
-    from gateway.app import _GatewayAPI
-
-POLICY_HEADER = "x-kvroute-policy"
+STATIC_EPOCH = "static"  # the epoch shown for a static replica (it has no heartbeat)
 
 
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@dataclass
 class AdminAPI:
-    def __init__(self, api: _GatewayAPI) -> None:
-        self.api = api
-        self._policies: dict[str, Policy] = {}  # override policies, built once (round-robin keeps state)
+    """``drains``: where drains are shared (None without Redis: they stay this gateway's)."""
+
+    fleet: Fleet
+    router: Router
+    pipeline: Pipeline
+    metrics: GatewayMetrics
+    index: BlockIndex
+    _: KW_ONLY
+    drains: SharedDrains | None
+    max_body_bytes: int
 
     def routes(self) -> list[Route]:
         endpoints = [
@@ -65,102 +73,76 @@ class AdminAPI:
         ]
         return [Route(path, openai_errors(handler), methods=methods) for path, handler, methods in endpoints]
 
-    # -- per-request policy override ------------------------------------------------------------
-
-    def policy_override(self, request: Request) -> Policy | None:
-        """The policy named by ``x-kvroute-policy`` when the caller holds the admin key, else None
-        (also for a non-admin caller who sent the header). An unknown name from an admin: 400."""
-        name = request.headers.get(POLICY_HEADER)
-        if not name or request.scope.get(AUTH_SCOPE_KEY) != ADMIN:
-            return None
-        if name not in POLICIES:
-            raise APIError(
-                f"Unknown routing policy {name!r}; choose one of {', '.join(POLICIES)}.",
-                param=POLICY_HEADER,
-                code="invalid_value",
-            )
-        if name == self.api.router.policy.name:
-            return None
-        if name not in self._policies:
-            current = self.api.router.policy
-            settings: dict[str, Any] = {"lam": current.lam, "decode_weight": current.decode_weight}
-            settings["max_queue"] = current.max_queue
-            self._policies[name] = make_policy(name, **settings)
-        return self._policies[name]
-
     # -- GET /admin/replicas --------------------------------------------------------------------
 
     async def replicas(self, request: Request) -> Response:
-        api = self.api
-        rows = [self._replica_row(info) for info in api.router.known_replicas()]
+        fleet = self.fleet
+        rows = [self._replica_row(replica) for replica in fleet.listed()]
         listed = {row["id"] for row in rows}
-        health = api.replica_health
-        answering = {info.url: info for info in health.static_replicas()}
-        for replica_id, url in health.static_ids().items():
+        for replica_id, url in fleet.static_ids().items():
             if replica_id not in listed:  # not answering, or its model is served by Redis replicas
-                info = answering.get(url)
-                row = self._replica_row(info) if info else self._silent_static_row(replica_id, url)
-                rows.append(row | {"listed": False, "answering": info is not None, "healthy": False})
+                replica = fleet.get(replica_id)
+                answering = replica is not None and fleet.static_answer(url) is not None
+                row = self._replica_row(replica) if answering else self._silent_static_row(replica_id, url)
+                rows.append(row | {"listed": False, "answering": answering, "healthy": False})
         listed = {row["id"] for row in rows}
-        for replica_id in sorted(api.router.drained - listed):  # drained and gone: still worth showing
+        for replica_id in sorted(fleet.drained - listed):  # drained and gone: still worth showing
             rows.append(
                 {"id": replica_id, "healthy": False, "listed": False, "drained": True}
                 | self._outcomes(replica_id)
             )
         return JSONResponse(
             {
-                "redis": "none" if not api.router.use_index else "stale" if api.mirror.stale else "ok",
-                "policy": api.router.policy.name,
+                "redis": self.router.index_status,
+                "policy": self.router.policy.name,
                 "replicas": rows,
                 "models": self._cache_tokens_by_model(),
             }
         )
 
-    def _replica_row(self, info: ReplicaInfo) -> dict[str, Any]:
+    def _replica_row(self, replica: Replica) -> dict[str, Any]:
         """One replica as the gateway knows it. A static replica has no heartbeat: no KV usage, no
         queue figures, only the gateway's own in-flight count."""
-        api = self.api
-        router = api.router
-        static = info.epoch == STATIC_EPOCH
-        drained = info.replica_id in router.drained
-        ejected = api.replica_health.is_ejected(info.replica_id)
+        beat = replica.heartbeat
+        load: dict[str, int | None] = {"running": None, "waiting": None, "waiting_prefill_tokens": None}
+        kv = None
+        if beat is not None:
+            load = {
+                "running": beat.running,
+                "waiting": beat.waiting,
+                "waiting_prefill_tokens": beat.waiting_prefill_tokens,
+            }
+            kv = {
+                "used_pages": beat.kv_used_pages,
+                "total_pages": beat.kv_total_pages,
+                "block_size": beat.block_size,
+            }
         return {
-            "id": info.replica_id,
-            "source": "static" if static else "redis",
-            "model": info.model,
-            "url": info.url,
-            "epoch": info.epoch,
+            "id": replica.replica_id,
+            "source": replica.source,
+            "model": replica.model,
+            "url": replica.url,
+            "epoch": STATIC_EPOCH if beat is None else beat.epoch,
             "listed": True,
-            "healthy": not (drained or ejected),
-            "drained": drained,
-            "ejected": ejected,
-            "heartbeat_age_s": None if static else round(max(0.0, time.time() - info.ts), 3),
-            "load": {
-                "running": None if static else info.running,
-                "waiting": None if static else info.waiting,
-                "waiting_prefill_tokens": None if static else info.waiting_prefill_tokens,
-                "gateway_inflight": router.inflight(info.replica_id),
-            },
-            "kv": None
-            if static
-            else {
-                "used_pages": info.kv_used_pages,
-                "total_pages": info.kv_total_pages,
-                "block_size": info.block_size,
-            },
-            "indexed_blocks": api.mirror.index.num_blocks(info.replica_id),
-        } | self._outcomes(info.replica_id)
+            "healthy": not (replica.drained or replica.ejected),
+            "drained": replica.drained,
+            "ejected": replica.ejected,
+            "heartbeat_age_s": None if beat is None else round(max(0.0, time.time() - beat.ts), 3),
+            "load": load | {"gateway_inflight": replica.inflight},
+            "kv": kv,
+            "indexed_blocks": self.index.num_blocks(replica.replica_id),
+        } | self._outcomes(replica.replica_id)
 
     def _silent_static_row(self, replica_id: str, url: str) -> dict[str, Any]:
         """A static replica that did not answer its last discovery: its model is unknown."""
-        drained = replica_id in self.api.router.drained
+        drained = replica_id in self.fleet.drained
         row = {"id": replica_id, "source": "static", "url": url, "drained": drained}
         return row | self._outcomes(replica_id)
 
     def _outcomes(self, replica_id: str) -> dict[str, Any]:
         """Requests routed to the replica, and for those whose usage came back, predicted against
         real cached tokens."""
-        stats = self.api.replica_stats.get(replica_id) or ReplicaStats()
+        stats = self.fleet.stats(replica_id)
         return {
             "requests_routed": stats.requests,
             "usage": {
@@ -172,7 +154,7 @@ class AdminAPI:
         }
 
     def _cache_tokens_by_model(self) -> dict[str, dict[str, int]]:
-        metrics = self.api.metrics
+        metrics = self.metrics
         out: dict[str, dict[str, int]] = defaultdict(dict)
         for field, counter in (
             ("prompt_tokens", metrics.prompt_tokens),
@@ -189,8 +171,7 @@ class AdminAPI:
 
     async def route(self, request: Request) -> Response:
         """The decision the request path would take for this body, without sending anything."""
-        api = self.api
-        raw = await read_body(request, api.settings.max_body_bytes)
+        raw = await read_body(request, self.max_body_bytes)
         try:
             parsed = json.loads(raw)
             is_chat = isinstance(parsed, dict) and "messages" in parsed
@@ -199,37 +180,36 @@ class AdminAPI:
         body: ChatCompletionRequest | CompletionRequest = (
             parse_request(ChatCompletionRequest, raw) if is_chat else parse_request(CompletionRequest, raw)
         )
-        route, prompt = await api.decide(request, body)
-        router = api.router
-        replicas = router.replicas_by_fingerprint(body.model)[1]
-        by_id = {info.replica_id: info for info in replicas}
+        plan, prompt = await self.pipeline.decide(request, body)
+        by_id = {replica.replica_id: replica for replica in plan.roster.replicas}
         candidates = []
-        for score in route.decision.scores:
-            info = by_id[score.replica_id]
+        for score in plan.decision.scores:
+            replica = by_id[score.replica_id]
+            beat = replica.heartbeat
             candidates.append(
                 {
                     "replica_id": score.replica_id,
-                    "url": info.url,
+                    "url": replica.url,
                     "matched_tokens": score.matched_tokens,
                     "load": _finite(score.load),
                     "cost": _finite(score.cost),
                     "capped": score.capped,
-                    "running": info.running,
-                    "waiting": info.waiting,
-                    "waiting_prefill_tokens": info.waiting_prefill_tokens,
-                    "gateway_inflight": router.inflight(score.replica_id),
+                    "running": 0 if beat is None else beat.running,
+                    "waiting": 0 if beat is None else beat.waiting,
+                    "waiting_prefill_tokens": 0 if beat is None else beat.waiting_prefill_tokens,
+                    "gateway_inflight": replica.inflight,
                 }
             )
         return JSONResponse(
             {
                 "model": body.model,
                 "endpoint": "/v1/chat/completions" if is_chat else "/v1/completions",
-                "policy": route.decision.policy,
+                "policy": plan.decision.policy,
                 "prompt_tokens": len(prompt),
-                "blocks": len(route.hashes),
-                "winner": route.decision.replica_id,
-                "order": [info.replica_id for info in route.ordered],
-                "drained": sorted(router.drained & set(by_id)),
+                "blocks": len(plan.hashes),
+                "winner": plan.winner,
+                "order": [replica.replica_id for replica in plan.ordered],
+                "drained": sorted(rid for rid, replica in by_id.items() if replica.drained),
                 "candidates": candidates,
             }
         )
@@ -240,12 +220,15 @@ class AdminAPI:
         """POST drains, DELETE puts back; ``shared`` says whether every gateway sharing this
         Redis sees it (False: this gateway only, as Redis could not be written, or there is none)."""
         replica_id = request.path_params["replica_id"]
-        router = self.api.router
+        fleet = self.fleet
         drain = request.method != "DELETE"
-        if drain and replica_id not in router.drained:
-            known = {r.replica_id for r in router.known_replicas()}
-            known.update(self.api.replica_health.static_ids())
+        if drain and replica_id not in fleet.drained:
+            known = {replica.replica_id for replica in fleet.listed()}
+            known.update(fleet.static_ids())
             if replica_id not in known:
                 raise APIError(f"No live replica {replica_id!r}.", 404, param="id", code="replica_not_found")
-        shared = await router.set_drained(replica_id, drain)
-        return JSONResponse({"id": replica_id, "drained": replica_id in router.drained, "shared": shared})
+        fleet.drain(replica_id, drain)  # at once, here; then for every gateway, if Redis takes it
+        shared = self.drains is not None and await self.drains.share(replica_id, drain)
+        if shared:
+            fleet.drain(replica_id, drain, shared=True)
+        return JSONResponse({"id": replica_id, "drained": replica_id in fleet.drained, "shared": shared})

@@ -1,15 +1,21 @@
 """The gateway's Prometheus metrics: what it routed where, and how well its predictions held.
 
-The request path takes its labelled children from :meth:`GatewayMetrics.model` and
-:meth:`GatewayMetrics.requests_for`, built once per label values: ``labels()`` itself validates and
-locks on every call, a cost paid several times per request otherwise.
+The request path records each request twice, through :meth:`GatewayMetrics.routed` (a replica
+answered: where, by which policy, with what prediction) and :meth:`GatewayMetrics.answered` (its
+usage came back: the real cached tokens); both keep the replica's :class:`ReplicaStats` too. They
+take labelled children built once per label values: ``labels()`` itself validates and locks on
+every call, a cost paid several times per request otherwise.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gateway.fleet.replica import Replica
+from gateway.proxy.relay import cached_tokens
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -98,6 +104,49 @@ class GatewayMetrics:
             found = self._models[model] = ModelMetrics(self, model)
         return found
 
+    def fingerprint_mismatch(self, model: str, replica_ids: Iterable[str]) -> None:
+        """A decision scored these replicas of ``model`` without cache credit (another tokenizer)."""
+        for replica_id in replica_ids:
+            self.fingerprint_mismatches.labels(model, replica_id).inc()
+
+    def routed(
+        self,
+        model: str,
+        replica: Replica,
+        policy: str,
+        status: int,
+        *,
+        prompt_tokens: int,
+        predicted: int,
+        retries: int,
+    ) -> ModelMetrics:
+        """``replica`` answers a request with ``status``, ``predicted`` of its ``prompt_tokens``
+        expected cached there, after ``retries`` other candidates failed. Returns the model's
+        children, for the rest of the request."""
+        metrics = self.model(model)
+        self.requests_for(model, replica.replica_id, policy, status).inc()
+        if retries:
+            metrics.retries.inc(retries)
+        metrics.prompt_tokens.inc(prompt_tokens)
+        metrics.predicted_cached_tokens.inc(predicted)
+        replica.stats.requests += 1
+        return metrics
+
+    def answered(
+        self, metrics: ModelMetrics, replica: Replica, predicted: int, usage: dict[str, Any] | None
+    ) -> None:
+        """Records the real outcome of a routing decision, when the replica's usage says it."""
+        tokens = cached_tokens(usage)
+        if tokens is None or usage is None:
+            return
+        metrics.cached_tokens.inc(tokens)
+        stats = replica.stats
+        stats.usage_reports += 1
+        prompt_tokens = usage.get("prompt_tokens")
+        stats.prompt_tokens += prompt_tokens if isinstance(prompt_tokens, int) else 0
+        stats.predicted_cached_tokens += predicted
+        stats.cached_tokens += tokens
+
     def requests_for(self, model: str, replica: str, policy: str, status: int) -> Counter:
         """The ``kvroute_gateway_requests`` child for these labels."""
         key = (model, replica, policy, status)
@@ -105,18 +154,3 @@ class GatewayMetrics:
         if found is None:
             found = self._requests[key] = self.requests.labels(model, replica, policy, str(status))
         return found
-
-
-@dataclass
-class ReplicaStats:
-    """What the gateway learned from the requests it sent one replica (``GET /admin/replicas``).
-
-    The usage figures cover the answers whose usage came back (``usage_reports`` of ``requests``),
-    so predicted and real cached tokens compare like for like.
-    """
-
-    requests: int = 0
-    usage_reports: int = 0
-    prompt_tokens: int = 0
-    predicted_cached_tokens: int = 0
-    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, what the replica really reused

@@ -1,4 +1,8 @@
-"""Everything a gateway can be told, with its default: the one place each default is written."""
+"""Everything a gateway can be told, with its default: the one place each default is written.
+
+The fields with a flag are ``kvroute gateway``'s options (``kvroute.settings``: flag, help and
+environment fallback beside the default); the others are set only from code.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +10,80 @@ from dataclasses import dataclass
 
 from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S
 from kvroute.protocol import DEFAULT_PREFIX
+from kvroute.settings import DEFAULT_MAX_BODY_BYTES, option
+
+POLICIES = ("kv", "round-robin", "least-loaded", "random", "session")  # gateway.policies
+KEYS = "access keys"  # the help's group of the key options
 
 
 @dataclass
 class GatewaySettings:
-    redis_url: str | None  # None: no index, replicas from ``replicas`` alone (load-only routing)
-    redis_prefix: str = DEFAULT_PREFIX
-    policy: str = "kv"
-    lam: float = 1.0
-    max_queue: int | None = None  # per-replica cap on waiting + in-flight requests
-    prediction_ttl_s: float = 2.0  # how long routed blocks count as held before events confirm them
-    max_body_bytes: int = 8 * 1024 * 1024
+    # None: no index, replicas from ``replicas`` alone (load-only routing)
+    redis_url: str | None = option(
+        None,
+        "--redis",
+        "redis://HOST:PORT/DB the replicas publish to (default: none, then --replica is needed)",
+    )
+    replicas: tuple[str, ...] = option(
+        (),
+        "--replica",
+        "a replica known without Redis (repeatable; default: none): a fallback with --redis, the"
+        " only source without",
+        metavar="URL",
+    )
+    # consecutive failures that take a replica out of rotation; between health probes of ejected ones
+    eject_after: int = option(
+        DEFAULT_EJECT_AFTER, "--eject-after", "consecutive failures that eject a replica"
+    )
+    probe_interval_s: float = option(
+        DEFAULT_PROBE_INTERVAL_S, "--probe-interval", "seconds between probes of ejected replicas"
+    )
+    redis_prefix: str = option(DEFAULT_PREFIX, "--redis-prefix", "key prefix in Redis")
+    poll_interval_s: float = option(
+        0.5, "--poll-interval", "seconds between reads of the replicas' heartbeats"
+    )
+    policy: str = option(
+        "kv",
+        "--policy",
+        "kv: cached prefix against load; session: sticky on x-session-id, else kv",
+        choices=POLICIES,
+    )
+    lam: float = option(1.0, "--lam", "kv policy: weight of load against uncached tokens")
+    max_queue: int | None = option(
+        None, "--max-queue", "per-replica cap on waiting + in-flight requests (default: no cap)"
+    )
+    # how long routed blocks count as held before the replica's events confirm them
+    prediction_ttl_s: float = option(2.0, "--prediction-ttl", "seconds routed blocks count as cached")
+    max_body_bytes: int = option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", "request body limit in bytes; 413 above"
+    )
+    api_keys: tuple[str, ...] = option(  # see gateway.auth
+        (),
+        "--api-key",
+        "Bearer key clients must send on /v1 (repeatable; default: env KVROUTE_API_KEYS,"
+        " comma-separated; none: /v1 is open)",
+        metavar="KEY",
+        env="KVROUTE_API_KEYS",
+        group=KEYS,
+    )
+    admin_key: str | None = option(
+        None,
+        "--admin-key",
+        "Bearer key for /admin (default: env KVROUTE_ADMIN_KEY; none: the admin API is off)",
+        metavar="KEY",
+        env="KVROUTE_ADMIN_KEY",
+        group=KEYS,
+    )
+    metrics_key_required: bool = option(
+        False, "--metrics-key-required", "/metrics needs a data or admin key", group=KEYS
+    )
+    replica_key: str | None = option(  # sent on every call to a replica
+        None,
+        "--replica-key",
+        "Bearer key sent to the replicas (their --api-key; default: env KVROUTE_REPLICA_KEY)",
+        metavar="KEY",
+        env="KVROUTE_REPLICA_KEY",
+        group=KEYS,
+    )
     upstream_timeout_s: float = 600.0
-    poll_interval_s: float = 0.5
-    replicas: tuple[str, ...] = ()  # static replica URLs: fallback with Redis, the only source without
-    eject_after: int = DEFAULT_EJECT_AFTER  # consecutive failures that take a replica out of rotation
-    probe_interval_s: float = DEFAULT_PROBE_INTERVAL_S  # between health probes of ejected replicas
-    api_keys: tuple[str, ...] = ()  # Bearer keys for /v1 (none: open); see gateway.auth
-    admin_key: str | None = None  # Bearer key for /admin (none: the admin API is disabled)
-    metrics_key_required: bool = False  # /metrics needs a data or admin key
-    replica_key: str | None = None  # Bearer key sent on every call to a replica
     tokenizer_cache_bytes: int = 256 * 1024 * 1024  # token ids cached for repeated and multi-turn chats

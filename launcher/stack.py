@@ -22,15 +22,18 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
 import httpx
 
+from gateway.settings import POLICIES
+from kvroute.settings import option
 from launcher.children import spawn
 from launcher.local_redis import RedisServer, free_port
+from replica.engine.config import MODEL_HELP
 
 READY_TIMEOUT_S = 600  # a cold CPU start loads the model and warms up; the gateway only needs seconds
 PROGRESS_EVERY_S = 5.0  # while replicas load, say so this often
@@ -43,19 +46,44 @@ class StackError(RuntimeError):
 
 @dataclass
 class StackSettings:
-    replicas: int = 2
-    model: Path | None = None  # None: the prepared default model
-    host: str = "127.0.0.1"
-    port: int = 8000
-    redis_url: str | None = None  # None: a private redis-server on a free loopback port
-    policy: str = "kv"
-    replica_args: list[str] = field(default_factory=list)  # extra `kvroute replica` flags
-    gateway_args: list[str] = field(default_factory=list)  # extra `kvroute gateway` flags
-    log_dir: Path | None = None  # each component's output to NAME.log there instead of stdout
+    """What ``kvroute up`` starts: the fields with a flag are its options (``kvroute.settings``)."""
+
+    # (option() returns a dataclasses.field, which RUF009 cannot see: the noqa below)
+    replicas: int = option(2, "--replicas", "replicas to start")
+    model: Path | None = option(None, "--model", MODEL_HELP)
+    host: str = option("127.0.0.1", "--host", "where the gateway listens")
+    port: int = option(8000, "--port", "the gateway's port")
+    redis_url: str | None = option(  # None: a private redis-server on a free loopback port
+        None, "--redis", "use this Redis instead of starting a private one (default: a private one)"
+    )
+    policy: str = option("kv", "--policy", "the gateway's routing policy", choices=POLICIES)
     # Keys reach the gateway through its environment (KVROUTE_API_KEYS, KVROUTE_ADMIN_KEY), not its
     # command line, which every local user can read; None keeps what the environment already says.
-    api_keys: tuple[str, ...] | None = None
-    admin_key: str | None = None
+    api_keys: tuple[str, ...] | None = option(
+        None,
+        "--api-key",
+        "Bearer key clients must send on /v1 (repeatable; default: env KVROUTE_API_KEYS; none: open)",
+        metavar="KEY",
+    )
+    admin_key: str | None = option(
+        None,
+        "--admin-key",
+        "Bearer key for /admin (default: env KVROUTE_ADMIN_KEY; none: off)",
+        metavar="KEY",
+    )
+    replica_args: list[str] = option(
+        [],
+        "--replica-arg",
+        "pass ARG to every `kvroute replica` (repeatable; e.g. --replica-arg=--max-num-seqs=32)",
+        metavar="ARG",
+    )
+    gateway_args: list[str] = option(
+        [],
+        "--gateway-arg",
+        "pass ARG to `kvroute gateway` (repeatable; e.g. --gateway-arg=--lam=2)",
+        metavar="ARG",
+    )
+    log_dir: Path | None = None  # each component's output to NAME.log there instead of stdout
 
 
 @dataclass

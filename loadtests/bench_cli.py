@@ -1,21 +1,22 @@
-"""``kvroute bench serve`` and ``kvroute bench compare``: their options; ``launcher.cli`` hands them the
-arguments after ``bench``, and the work itself is imported only once a command runs. The help uses
-``launcher.cli``'s layout: every default shown, examples last."""
+"""The load tests' command line, ``kvroute bench serve|compare`` (also ``python -m loadtests``, which
+``kvroute bench`` runs): its parser, whose workload options come from :mod:`loadtests.options`, and its
+commands, whose work is imported only once one runs. The help uses ``launcher.cli``'s layout: every
+default shown, examples last.
+
+The component benchmarks have their own entry points: ``python -m loadtests.bench_engine``,
+``loadtests.bench_gateway`` and ``loadtests.bench_index`` (see :mod:`loadtests.harness`)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
+import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
-from kvroute.protocol import DEFAULT_BLOCK_SIZE
-from launcher.cli import HelpFormatter, add_command, examples
-
-DATASETS = ("random", "shared-prefix", "multi-turn", "jsonl")
+from kvroute.settings import HelpFormatter, add_command, examples
+from loadtests.options import add_workload_options
 
 BENCH_EPILOG = examples(
     "kvroute bench serve --num-prompts 16 --document-len 256:512 --output-len 32   # a short run",
@@ -56,8 +57,27 @@ def run_bench(argv: list[str]) -> None:
     args.bench_handler(args)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``python -m loadtests ARGV``, what ``kvroute bench ARGV`` runs: bad settings end in one line
+    on stderr (``kvroute bench: error: ...``) and a non-zero status, no traceback."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        run_bench(sys.argv[1:] if argv is None else argv)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, FileNotFoundError) as error:
+        print(f"kvroute bench: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="bench_command", required=True, title="commands")
+    _add_serve_command(sub)
+    _add_compare_command(sub)
+
+
+def _add_serve_command(sub: argparse._SubParsersAction) -> None:
     serve = add_command(
         sub,
         "serve",
@@ -80,7 +100,7 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
         "--endpoint", default="/v1/chat/completions", help="/v1/chat/completions or /v1/completions"
     )
     serve.add_argument("--model", help="model name (default: the first of the server's /v1/models)")
-    _add_workload_options(serve)
+    add_workload_options(serve)
     serve.add_argument(
         "--max-concurrency",
         type=int,
@@ -91,6 +111,8 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     serve.add_argument("--label", default="bench serve", help="name in the report and the plot")
     serve.set_defaults(bench_handler=_run_serve)
 
+
+def _add_compare_command(sub: argparse._SubParsersAction) -> None:
     compare = add_command(
         sub,
         "compare",
@@ -128,104 +150,10 @@ def add_bench_commands(parser: argparse.ArgumentParser) -> None:
     compare.add_argument(
         "--gateway-arg", action="append", default=[], help="extra `kvroute gateway` flag (repeatable)"
     )
-    _add_workload_options(compare)
+    add_workload_options(compare)
     compare.add_argument("--max-concurrency", type=int, default=8, help="concurrent conversations")
     compare.add_argument("--out", type=Path, default=Path("results/bench_compare.json"), help="JSON report")
     compare.set_defaults(bench_handler=_run_compare)
-
-
-def _add_workload_options(parser: argparse.ArgumentParser) -> None:
-    w = parser.add_argument_group("workload")
-    w.add_argument(
-        "--dataset",
-        "--dataset-name",
-        dest="dataset",
-        choices=DATASETS,
-        default="multi-turn",
-        metavar="NAME",
-        help=f"the workload: {', '.join(DATASETS[:-1])} or jsonl (read from --dataset-path)",
-    )
-    w.add_argument(
-        "--dataset-path", type=Path, help="the JSONL file of --dataset jsonl (default: none; jsonl needs it)"
-    )
-    w.add_argument("--num-prompts", type=int, default=200, help="requests in all (multi-turn: turns too)")
-    w.add_argument(
-        "--input-len",
-        type=int,
-        default=64,
-        help="tokens of each request's own text: the random prompt, the shared-prefix suffix, or the"
-        " multi-turn user message",
-    )
-    w.add_argument("--output-len", type=int, default=32, help="max_tokens of every request")
-    w.add_argument("--range-ratio", type=float, default=0.0, help="random: input length spread ±ratio")
-    w.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: distinct system prompts")
-    w.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens per system prompt")
-    w.add_argument("--turns", type=int, default=4, help="multi-turn: turns per conversation")
-    w.add_argument(
-        "--num-documents", type=int, help="multi-turn: distinct opening documents (default: conversations/2)"
-    )
-    w.add_argument(
-        "--document-len",
-        default="1024:4096",
-        help="multi-turn: opening document length in tokens, MIN:MAX (uniform)",
-    )
-    w.add_argument("--think-time", type=float, default=0.0, help="multi-turn: mean seconds between turns")
-    w.add_argument("--request-rate", type=float, default=math.inf, help="arrivals/s (Poisson); inf: at once")
-    w.add_argument("--seed", type=int, default=0, help="seeds the workload's text and the arrivals")
-    w.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
-    w.add_argument("--ignore-eos", action="store_true", help="always generate --output-len tokens")
-    w.add_argument(
-        "--tokenizer",
-        type=Path,
-        help="model directory whose tokenizer builds the workload and the oracle: give the served"
-        " model's (default: SmolLM2; bench compare: --model-dir)",
-    )
-    w.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="the oracle's block size")
-    w.add_argument(
-        "--percentile-metrics", default="ttft,tpot,itl,e2el", help="comma list of ttft,tpot,itl,e2el"
-    )
-    w.add_argument("--metric-percentiles", default="90,99", help="comma list of percentiles to report")
-    w.add_argument("--api-key", help="Bearer key sent to the server (default: env OPENAI_API_KEY)")
-    w.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
-
-
-def workload_options(args: argparse.Namespace) -> dict[str, Any]:
-    low, _, high = args.document_len.partition(":")
-    document_len = (int(low), int(high or low))
-    if document_len[0] > document_len[1] or document_len[0] < 1:
-        raise ValueError(f"--document-len {args.document_len!r}: expected MIN:MAX with 1 <= MIN <= MAX")
-    if args.dataset == "jsonl" and args.dataset_path is None:
-        raise ValueError("--dataset jsonl needs --dataset-path FILE")
-    if args.num_prompts < 1 or args.output_len < 1 or args.turns < 1:
-        raise ValueError("--num-prompts, --output-len and --turns must be at least 1")
-    return {
-        "num_prompts": args.num_prompts,
-        "input_len": args.input_len,
-        "output_len": args.output_len,
-        "range_ratio": args.range_ratio,
-        "num_prefixes": args.num_prefixes,
-        "prefix_len": args.prefix_len,
-        "turns": args.turns,
-        "num_documents": args.num_documents,
-        "document_len": document_len,
-        "think_time": args.think_time,
-        "dataset_path": args.dataset_path,
-    }
-
-
-def shown_metrics(args: argparse.Namespace) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in args.percentile_metrics.split(",") if name.strip())
-    unknown = set(names) - {"ttft", "tpot", "itl", "e2el"}
-    if unknown:
-        raise ValueError(f"--percentile-metrics: unknown {sorted(unknown)}")
-    return names
-
-
-def percentiles(args: argparse.Namespace) -> list[float]:
-    values = [float(p) for p in args.metric_percentiles.split(",") if p.strip()]
-    if any(not 0 < p < 100 for p in values):
-        raise ValueError("--metric-percentiles must lie strictly between 0 and 100")
-    return values
 
 
 def _quiet_http_logs() -> None:

@@ -34,6 +34,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvroute.protocol import DEFAULT_PREFIX, EventKind, Heartbeat, Keys, encode_event, hash_member
+from kvroute.settings import REQUIRED, option
 from replica.kvcache.events import KVEvent, KVEventOutbox
 
 if TYPE_CHECKING:
@@ -52,15 +53,30 @@ _Piece = tuple[EventKind, list[int]]
 
 @dataclass(frozen=True)
 class PublisherConfig:
-    redis_url: str
-    replica_id: str
-    advertise_url: str  # the base URL gateways should call
-    prefix: str = DEFAULT_PREFIX
-    heartbeat_interval: float = 0.5  # seconds
-    heartbeat_ttl: float = 2.0  # seconds; the heartbeat vanishes this long after the last refresh
+    """What ``kvroute replica --redis URL`` publishes, where, and how often: the fields with a flag are
+    its "cache index (Redis)" options (``kvroute.settings``)."""
+
+    redis_url: str = option(
+        REQUIRED,
+        "--redis",
+        "publish cache contents and load to redis://HOST:PORT/DB (default: standalone)",
+        metavar="URL",
+    )
+    replica_id: str = option(
+        REQUIRED, "--replica-id", "stable name in Redis (default: host:port of the advertise URL)"
+    )
+    advertise_url: str = option(
+        REQUIRED,
+        "--advertise-url",
+        "base URL gateways should call (default: http://HOST:PORT, the hostname for a wildcard host)",
+        metavar="URL",
+    )
+    prefix: str = option(DEFAULT_PREFIX, "--redis-prefix", "key prefix in Redis")
+    heartbeat_interval: float = option(0.5, "--heartbeat-interval", "seconds between heartbeats")
+    heartbeat_ttl: float = option(2.0, "--heartbeat-ttl", "seconds a heartbeat stays without refresh")
     batch_interval: float = 0.02  # the shortest time between two outbox drains, seconds
     max_batch_hashes: int = 4096  # hashes per MULTI/EXEC and per stream entry
-    stream_maxlen: int = 100_000  # approximate MAXLEN of the model's event stream
+    stream_maxlen: int = option(100_000, "--stream-maxlen", "approximate length cap of the event stream")
     socket_timeout: float = 2.0  # seconds: connect, and any one transaction (plus SECONDS_PER_HASH)
 
     def __post_init__(self) -> None:

@@ -140,6 +140,7 @@ class Policy(ABC):
     """
 
     name: ClassVar[str]
+    needs_index: ClassVar[bool] = True  # False: it ignores the cache, and routes as configured without Redis
 
     def __init__(
         self,

@@ -9,6 +9,7 @@ from gateway.policies.base import Candidate, Decision, Policy, RouteRequest, pic
 
 class LeastLoadedPolicy(Policy):
     name = "least-loaded"
+    needs_index = False
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         scores = self.load_scores(request, candidates)

@@ -9,6 +9,7 @@ from gateway.policies.base import Candidate, Decision, Policy, RouteRequest
 
 class RandomPolicy(Policy):
     name = "random"
+    needs_index = False
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         scores = self.load_scores(request, candidates)

@@ -15,6 +15,7 @@ from gateway.policies.base import Candidate, Decision, Policy, RouteRequest
 
 class RoundRobinPolicy(Policy):
     name = "round-robin"
+    needs_index = False
 
     def __init__(self, **settings) -> None:
         super().__init__(**settings)

@@ -27,9 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launcher.local_redis import free_port
 from launcher.stack import LocalStack, StackSettings
-from loadtests.report import cpu_model, package_version, progress
+from loadtests.harness import cpu_model, package_version, progress
 from loadtests.serving.client import Endpoint
-from loadtests.serving.report import save_figure
 from loadtests.serving.serve import (
     ServePoint,
     ServeSettings,
@@ -38,6 +37,7 @@ from loadtests.serving.serve import (
     settings_from_args,
     warn_if_concurrency_capped,
 )
+from loadtests.serving.vllm_report import save_figure
 
 BENCH = "bench compare"
 SGLANG_PREFIX = "sglang-"

@@ -16,13 +16,13 @@ import httpx
 from tqdm import tqdm
 
 from kvroute.text.tokenizer import TextTokenizer
-from loadtests.bench_cli import percentiles, shown_metrics, workload_options
-from loadtests.report import cpu_model, package_version, progress
+from loadtests.harness import cpu_model, package_version, progress
+from loadtests.options import percentiles, shown_metrics, workload_options
 from loadtests.serving.client import Endpoint, RequestRecord
 from loadtests.serving.metrics import ServingMetrics, compute_metrics
 from loadtests.serving.oracle import OracleResult, oracle_cached_tokens, token_stream
-from loadtests.serving.report import format_report, plot_sweep
 from loadtests.serving.runner import RunResult, run_workload
+from loadtests.serving.vllm_report import format_report, plot_sweep
 from loadtests.serving.workloads import Workload, build_workload
 
 BENCH = "bench serve"

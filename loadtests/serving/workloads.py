@@ -182,7 +182,7 @@ def _jsonl_conversation(row: Any, output_len: int) -> Conversation:
 
 
 def build_workload(name: str, tokenizer: TextTokenizer, seed: int, options: dict[str, Any]) -> Workload:
-    """The named workload from the benchmark's options (see :mod:`loadtests.bench_cli`)."""
+    """The named workload from the benchmark's options (see :mod:`loadtests.options`)."""
     builders: dict[str, Callable[[TextSource], Workload]] = {
         "random": lambda source: random_workload(
             source,

@@ -1,4 +1,8 @@
-"""Settings of one replica engine: which model, where it runs, and how big its KV pool is."""
+"""Settings of one replica engine: which model, where it runs, and how big its KV pool is.
+
+Each field that ``kvroute replica`` sets is declared with its flag and help (``kvroute.settings``):
+its default is written here once, for the engine, the command line and its help.
+"""
 
 from __future__ import annotations
 
@@ -6,29 +10,64 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvroute.protocol import DEFAULT_BLOCK_SIZE
+from kvroute.settings import REQUIRED, option
+
+ENGINES = ("torch", "sim")
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # see replica.model.runner.resolve_dtype
+MODEL_HELP = "HF model directory (default: prepared SmolLM2-135M-Instruct)"  # the commands prepare it
 
 
 @dataclass
 class EngineConfig:
-    """Everything ``LLMEngine`` needs; the CLI flags of ``kvroute replica`` map onto these fields."""
+    """Everything ``LLMEngine`` needs."""
 
-    model: Path
-    served_model_name: str | None = None  # defaults to the model directory's name
-    device: str = "cpu"
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16 (see engine.resolve_dtype)
-    threads: int | None = None  # torch intra-op threads on CPU; None = torch's default
-    block_size: int = DEFAULT_BLOCK_SIZE  # tokens per KV page = tokens per hashed block
-    kv_cache_tokens: int | None = None  # KV pool size in tokens; overrides kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0  # KV pool budget when kv_cache_tokens is not given
-    max_num_seqs: int = 64  # sequences decoded together at most
-    max_num_batched_tokens: int = 512  # per-step token budget (prefill chunks + decodes)
-    max_model_len: int | None = None  # context window; defaults to the model's max_position_embeddings
-    seed: int = 0  # seeds requests that bring no seed of their own
-    engine: str = "torch"  # torch | sim: a simulation, a cost model instead of the forward pass (replica.sim)
-    sim_profile: str = "cpu-smollm2"  # sim only: a built-in profile name or a profile JSON file
+    # (option() returns a dataclasses.field, which RUF009 cannot see: the noqa)
+    model: Path = option(REQUIRED, "--model", MODEL_HELP)
+    engine: str = option(
+        "torch",
+        "--engine",
+        "torch: run the model; sim: a SIMULATION with the real scheduler, cache, Redis reporting and"
+        " server but a cost model instead of the forward pass: it loads no weights (--model gives the"
+        " tokenizer and config only), sleeps each step's predicted time and emits filler text"
+        " (docs/SIMULATION.md)",
+        choices=ENGINES,
+    )  # sim: replica.sim
+    sim_profile: str = option(
+        "cpu-smollm2",
+        "--profile",
+        "--engine sim only: the cost profile, a built-in name (cpu-smollm2, h100-llama3-8b,"
+        " a100-llama3-8b, instant) or a JSON file from `kvroute calibrate`",
+        metavar="NAME_OR_PATH",
+        track_given=True,  # given with --engine torch, it is an error
+    )
+    served_model_name: str | None = option(
+        None, "--served-model-name", "model name clients ask for (default: the directory name)"
+    )
+    device: str = option("cpu", "--device", "cpu or cuda[:N]")
+    dtype: str = option(
+        "auto",
+        "--dtype",
+        "weights and activations; auto: the checkpoint's dtype on CUDA, on CPU bfloat16 where"
+        " the CPU computes it natively, else float32",
+        choices=DTYPES,
+    )
+    threads: int | None = option(None, "--threads", "torch CPU threads (default: torch's choice)")
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "--block-size", "tokens per KV page / hashed block")
+    kv_cache_tokens: int | None = option(
+        None,
+        "--kv-cache-tokens",
+        "KV pool size in tokens, overriding --kv-cache-memory-gb (default: what that budget holds)",
+    )
+    kv_cache_memory_gb: float = option(1.0, "--kv-cache-memory-gb", "KV pool memory budget in GiB")
+    max_num_seqs: int = option(64, "--max-num-seqs", "sequences decoded together at most")
+    # per step: prefill chunks and decodes
+    max_num_batched_tokens: int = option(512, "--max-num-batched-tokens", "per-step token budget")
+    # the model's: its max_position_embeddings
+    max_model_len: int | None = option(None, "--max-model-len", "context window (default: the model's)")
+    seed: int = option(0, "--seed", "seeds requests that bring no seed")
 
     def __post_init__(self) -> None:
-        if self.engine not in ("torch", "sim"):
+        if self.engine not in ENGINES:
             raise ValueError(f"unknown engine {self.engine!r}; choose torch or sim")
         if self.block_size < 1 or self.max_num_seqs < 1:
             raise ValueError("block_size and max_num_seqs must be positive")

@@ -36,6 +36,7 @@ from kvroute.openai_api.schema import (
     TokenizeRequest,
     parse_request,
 )
+from kvroute.settings import DEFAULT_MAX_BODY_BYTES
 from replica.engine.async_engine import AsyncEngine
 from replica.engine.config import EngineConfig
 from replica.kvcache.events import KVEventOutbox
@@ -45,7 +46,6 @@ from replica.server.openai_serving import OpenAIServing
 
 log = logging.getLogger("kvroute.replica")
 
-DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from redis.asyncio import Redis
 
-from gateway.index_mirror import IndexMirror
+from gateway.index.mirror import IndexMirror
 from kvroute.protocol import (
     HEARTBEAT_FIELDS,
     EventKind,
@@ -200,7 +200,7 @@ def new_mirror(server: RedisServer) -> IndexMirror:
 
 def test_gateway_never_imports_torch_or_the_replica() -> None:
     code = (
-        "import sys, gateway.index_mirror, gateway.block_index\n"
+        "import sys, gateway.index.mirror, gateway.index.block_index\n"
         "assert 'torch' not in sys.modules, 'torch imported'\n"
         "bad = [m for m in sys.modules if m == 'replica' or m.startswith('replica.')]\n"
         "assert not bad, bad\n"

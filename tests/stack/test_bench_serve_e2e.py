@@ -71,6 +71,21 @@ def test_serve_against_a_plain_replica_and_a_dead_url(llama_dir: Path, tmp_path:
     assert "cannot list the models" in dead.stderr and "Traceback" not in dead.stderr
 
 
+def test_python_dash_m_loadtests_is_the_bench_cli(llama_dir: Path) -> None:
+    """`python -m loadtests ARGS` is what `kvroute bench ARGS` runs: its help, its one-line errors."""
+    run = [sys.executable, "-m", "loadtests"]
+    help_text = subprocess.run([*run, "--help"], capture_output=True, text=True, timeout=60)
+    assert help_text.returncode == 0 and "{serve,compare}" in help_text.stdout
+    dead = subprocess.run(
+        [*run, "serve", "--base-url", f"http://127.0.0.1:{free_port()}", "--tokenizer", str(llama_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert dead.returncode != 0
+    assert "kvroute bench: error: cannot list the models" in dead.stderr and "Traceback" not in dead.stderr
+
+
 def test_compare_kv_beats_round_robin_on_cached_tokens(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     result = _bench(

@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.proxy import SSERelay, UpstreamUnavailable, cached_tokens, forwarded_body, open_upstream
-from gateway.upstream import UpstreamPool
+from gateway.proxy.relay import SSERelay, UpstreamUnavailable, cached_tokens, forwarded_body, open_upstream
+from gateway.proxy.upstream import UpstreamPool
 from kvroute.openai_api.schema import ChatCompletionRequest, parse_request
 from launcher.local_redis import free_port
 from tests.helpers.processes import ReplicaProcess

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-from gateway.index_mirror import IndexMirror
+from gateway.index.mirror import IndexMirror
 from kvroute.openai_api.schema import ChatCompletionRequest, parse_request
 from kvroute.protocol import block_hashes, model_seed
 from kvroute.text.tokenizer import TextTokenizer

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 
 from kvroute.text.tokenizer import TextTokenizer
-from loadtests.bench_cli import build_bench_parser, workload_options
+from loadtests.bench_cli import build_bench_parser
+from loadtests.options import workload_options
 from loadtests.serving import serve
 from loadtests.serving.client import RequestRecord
 from loadtests.serving.metrics import compute_metrics, peak_concurrency
 from loadtests.serving.oracle import OracleRequest, oracle_cached_tokens, token_stream
-from loadtests.serving.report import format_report
 from loadtests.serving.runner import arrival_times
 from loadtests.serving.serve import concurrency_cap_warning
+from loadtests.serving.vllm_report import format_report
 from loadtests.serving.workloads import (
     TextSource,
     build_workload,

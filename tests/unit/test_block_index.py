@@ -7,7 +7,7 @@ import tracemalloc
 
 import pytest
 
-from gateway.block_index import BlockIndex, PrefixMatch
+from gateway.index.block_index import BlockIndex, PrefixMatch
 
 
 def chain(n: int, rng: random.Random) -> list[int]:

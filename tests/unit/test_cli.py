@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -10,7 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from launcher.cli import HelpFormatter, build_parser, format_default, main, shows_default
+from gateway.settings import GatewaySettings
+from kvroute.protocol import default_advertise_url, replica_id_for
+from kvroute.settings import HelpFormatter, format_default, from_args, shows_default
+from launcher.cli import build_parser, main
+from launcher.stack import StackSettings
+from replica.engine.config import EngineConfig
+from replica.publisher import PublisherConfig
 
 
 def kvroute(*args: str) -> subprocess.CompletedProcess[str]:
@@ -51,12 +58,156 @@ def test_make_test_model_and_memory_planner(tmp_path: Path) -> None:
     assert "KV" in plan.stdout
 
 
-def test_the_serving_cli_does_not_load_the_load_tests() -> None:
-    """DESIGN: nothing imports loadtests/; `kvroute bench` imports it only when it runs."""
-    code = "import sys, launcher.cli; sys.exit(any(m.startswith('loadtests') for m in sys.modules))"
+def test_the_serving_cli_does_not_load_the_load_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DESIGN: nothing the product runs imports loadtests/; `kvroute bench` runs them as a program."""
+    code = "import sys, launcher.cli; launcher.cli.build_parser()\n"
+    code += "sys.exit(any(m.startswith('loadtests') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
-    bench_help = kvroute("bench", "--help")
-    assert bench_help.returncode == 0 and "{serve,compare}" in bench_help.stdout
+    execs: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr("os.execv", lambda path, argv: execs.append((path, argv)))
+    main(["bench", "--help"])
+    main(["bench", "serve", "--num-prompts", "4"])
+    assert execs == [
+        (sys.executable, [sys.executable, "-m", "loadtests", "--help"]),
+        (sys.executable, [sys.executable, "-m", "loadtests", "serve", "--num-prompts", "4"]),
+    ]
+    if importlib.util.find_spec("loadtests.__main__") is not None:  # the load tests' own program
+        bench_help = kvroute("bench", "--help")
+        assert bench_help.returncode == 0 and "{serve,compare}" in bench_help.stdout
+
+
+def _loads_torch(code: str) -> bool:
+    check = f"{code}\nimport sys; sys.exit(3 if 'torch' in sys.modules else 0)"
+    result = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=60)
+    assert result.returncode in (0, 3), result.stderr
+    return result.returncode == 3
+
+
+def test_the_gateway_side_never_loads_torch() -> None:
+    assert not _loads_torch("import gateway.cli")
+    assert not _loads_torch("import replica.cli, replica.tools.cli")  # their parsers are in every --help
+    help_only = "import contextlib\nfrom launcher.cli import main\nwith contextlib.suppress(SystemExit):\n"
+    assert not _loads_torch(help_only + "  main(['gateway', '--help'])")
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(list(argv))
+
+
+@pytest.fixture
+def no_key_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
+    for name in ("KVROUTE_API_KEYS", "KVROUTE_ADMIN_KEY", "KVROUTE_REPLICA_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_the_settings_defaults_are_the_flags_defaults(no_key_env: pytest.MonkeyPatch) -> None:
+    """One source: a command line that sets nothing builds the dataclasses' own defaults."""
+    assert from_args(GatewaySettings, _parse("gateway", "--redis", "redis://r")) == GatewaySettings(
+        "redis://r"
+    )
+    model = Path("m")
+    assert from_args(EngineConfig, _parse("replica"), model=model) == EngineConfig(model)
+    urls = {"advertise_url": "http://a:1", "replica_id": "a:1"}
+    published = from_args(PublisherConfig, _parse("replica", "--redis", "redis://r"), **urls)
+    assert published == PublisherConfig("redis://r", **urls)
+    assert from_args(StackSettings, _parse("up")) == StackSettings()
+
+
+def test_gateway_keys_come_from_flags_else_the_environment(
+    no_key_env: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gateway.app
+
+    runs: list[tuple[GatewaySettings, str, int, str]] = []
+    no_key_env.setattr(gateway.app, "run_gateway", lambda *args: runs.append(args))
+    no_key_env.setenv("KVROUTE_API_KEYS", " k1, k2,,k1")
+    no_key_env.setenv("KVROUTE_ADMIN_KEY", "admin")
+    no_key_env.setenv("KVROUTE_REPLICA_KEY", "rk")
+    main(["gateway", "--replica", "http://r:1", "--port", "9000", "--log-level", "debug"])
+    main(
+        [
+            "gateway",
+            "--redis",
+            "redis://r",
+            "--api-key",
+            "mine",
+            "--admin-key",
+            "a2",
+            "--metrics-key-required",
+        ]
+    )
+    (first, host, port, level), (second, *_) = runs
+    assert (first.api_keys, first.admin_key, first.replica_key) == (("k1", "k2"), "admin", "rk")
+    assert (first.replicas, first.redis_url, host, port, level) == (
+        ("http://r:1",),
+        None,
+        "127.0.0.1",
+        9000,
+        "debug",
+    )
+    assert (second.api_keys, second.admin_key, second.metrics_key_required) == (("mine",), "a2", True)
+    with pytest.raises(SystemExit, match="give --redis URL"):
+        main(["gateway"])
+
+
+def test_replica_settings_from_its_flags(
+    no_key_env: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import replica.server.app
+
+    runs: list[tuple[tuple[object, ...], dict[str, object]]] = []
+    no_key_env.setattr(replica.server.app, "run_server", lambda *args, **kwargs: runs.append((args, kwargs)))
+    no_key_env.setenv("KVROUTE_REPLICA_KEY", "rk")
+    base = ["replica", "--model", str(tmp_path)]
+    main([*base, "--engine", "sim", "--profile", "instant", "--max-num-seqs", "8", "--max-body-bytes", "100"])
+    main([*base, "--host", "0.0.0.0", "--port", "9001", "--redis", "redis://r", "--heartbeat-ttl", "3"])
+    main([*base, "--redis", "redis://r", "--advertise-url", "http://pod:80", "--api-key", "mine"])
+    (config, host, port), options = runs[0]
+    assert config == EngineConfig(tmp_path, engine="sim", sim_profile="instant", max_num_seqs=8)
+    assert (host, port, options["max_body_bytes"], options["api_key"]) == ("127.0.0.1", 8001, 100, "rk")
+    assert options["publisher_config"] is None
+    url = default_advertise_url("0.0.0.0", 9001)
+    assert runs[1][1]["publisher_config"] == PublisherConfig(
+        "redis://r", replica_id_for(url), url, heartbeat_ttl=3.0
+    )
+    published = runs[2][1]["publisher_config"]
+    assert isinstance(published, PublisherConfig) and runs[2][1]["api_key"] == "mine"
+    assert (published.advertise_url, published.replica_id) == ("http://pod:80", "pod:80")
+    with pytest.raises(SystemExit, match="--profile needs --engine sim"):
+        main([*base, "--profile", "instant"])
+
+
+def test_up_hands_the_replica_options_on(no_key_env: pytest.MonkeyPatch) -> None:
+    import launcher.stack
+
+    runs: list[StackSettings] = []
+    no_key_env.setattr(launcher.stack, "run_stack", runs.append)
+    main(["up"])
+    stack = ["--replicas", "3", "--policy", "session", "--redis", "redis://r", "--api-key", "k"]
+    sim = ["--engine", "sim", "--profile", "instant"]
+    main(["up", *stack, *sim, "--replica-arg=--seed=1", "--gateway-arg=--lam=2"])
+    default, custom = runs
+    engine = ["--dtype", "auto", "--kv-cache-memory-gb", "1.0", "--engine"]
+    assert default == StackSettings(replica_args=[*engine, "torch"])
+    assert custom == StackSettings(
+        replicas=3,
+        redis_url="redis://r",
+        policy="session",
+        api_keys=("k",),
+        replica_args=[*engine, "sim", "--profile", "instant", "--seed=1"],
+        gateway_args=["--lam=2"],
+    )
+    with pytest.raises(SystemExit, match="--replicas must be at least 1"):
+        main(["up", "--replicas", "0"])
+
+
+def test_every_environment_fallback_is_named_in_its_help() -> None:
+    from kvroute.settings import options
+
+    for cls in (GatewaySettings, EngineConfig, PublisherConfig, StackSettings):
+        for opt in options(cls):
+            assert opt.env is None or opt.env in opt.help, f"{cls.__name__}.{opt.field.name}"
 
 
 def _all_parsers() -> dict[str, argparse.ArgumentParser]:
@@ -91,7 +242,7 @@ def test_every_command_is_walked() -> None:
 
 
 def test_every_option_says_its_default() -> None:
-    """The rule of launcher.cli.HelpFormatter: a value default is shown; flags, repeatable and
+    """The rule of kvroute.settings.HelpFormatter: a value default is shown; flags, repeatable and
     required options need none; every other option says its default in words."""
     for name, parser in _all_parsers().items():
         assert parser.formatter_class is HelpFormatter, name

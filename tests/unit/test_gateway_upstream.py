@@ -1,4 +1,4 @@
-"""The proxy's HTTP client (gateway.upstream) against a loopback server whose answers each test
+"""The proxy's HTTP client (gateway.proxy.upstream) against a loopback server whose answers each test
 scripts: body framings, keep-alive, the one retry of a connection closed while idle, timeouts,
 malformed and truncated answers, and a body larger than the client buffers unread."""
 
@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from gateway.proxy import SSERelay, open_upstream
-from gateway.upstream import PAUSE_BYTES, UpstreamError, UpstreamPool
+from gateway.proxy.connection import PAUSE_BYTES, UpstreamError
+from gateway.proxy.relay import SSERelay, open_upstream
+from gateway.proxy.upstream import UpstreamPool
 
 JSON = b"application/json"
 

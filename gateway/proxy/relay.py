@@ -14,7 +14,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from gateway.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from gateway.proxy.connection import UpstreamError, UpstreamResponse
+from gateway.proxy.upstream import UpstreamPool
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest
 
 RETRYABLE_STATUSES = frozenset({503})  # the replica is draining or its engine is down

@@ -1,4 +1,5 @@
-"""The report: ``vllm bench serve``'s layout (its users should feel at home), plus kvroute's lines.
+"""``bench serve``'s printed report, in ``vllm bench serve``'s layout (its users should feel at home)
+plus kvroute's lines, and the PNG plots of ``bench serve`` sweeps and ``bench compare``.
 
 The cache section adds what vLLM's report lacks: the cached-token ratio the server reported, the
 oracle's, and their quotient.

@@ -1,0 +1,142 @@
+"""One replica as this gateway knows it: the record every question about a replica is answered from.
+
+Where it came from (its heartbeat while Redis lists it, else what its ``--replica URL`` answered),
+whether it may be routed to (ejected after failures, drained), how loaded it is from this
+gateway's side (its requests in flight here), and what the requests sent to it showed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gateway.index.snapshots import ReplicaHeartbeat
+
+
+@dataclass(frozen=True, slots=True)
+class StaticReplica:
+    """What a ``--replica URL`` answered at its last discovery (``gateway.health``)."""
+
+    url: str
+    model: str
+    fingerprint: str
+    block_size: int
+
+
+@dataclass
+class ReplicaStats:
+    """What the gateway learned from the requests it sent one replica (``GET /admin/replicas``).
+
+    The usage figures cover the answers whose usage came back (``usage_reports`` of ``requests``),
+    so predicted and real cached tokens compare like for like.
+    """
+
+    requests: int = 0
+    usage_reports: int = 0
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, what the replica really reused
+
+
+@dataclass
+class InFlight:
+    sent_at: float  # unix time, comparable with heartbeat ``ts``
+    uncached_tokens: int
+    sequences: int  # engine sequences it makes: prompts x n
+
+
+class Flights:
+    """One replica's requests in flight from this gateway, with running totals (kept as requests
+    come and go, so routing reads them in O(1)): all of them, and those sent after ``since``, the
+    time of the heartbeat last asked about."""
+
+    __slots__ = ("flights", "pending", "pending_tokens", "sequences", "since", "tokens")
+
+    def __init__(self) -> None:
+        self.flights: dict[int, InFlight] = {}  # by ticket
+        self.sequences = 0
+        self.tokens = 0
+        self.since = 0.0
+        self.pending = 0
+        self.pending_tokens = 0
+
+    def add(self, ticket: int, flight: InFlight) -> None:
+        self.flights[ticket] = flight
+        self.count(flight, 1)
+
+    def remove(self, ticket: int) -> None:
+        self.count(self.flights.pop(ticket), -1)
+
+    def count(self, flight: InFlight, sign: int) -> None:
+        """Adds (sign 1) or takes away (-1) one flight in the totals."""
+        self.sequences += sign * flight.sequences
+        self.tokens += sign * flight.uncached_tokens
+        if flight.sent_at > self.since:
+            self.pending += sign * flight.sequences
+            self.pending_tokens += sign * flight.uncached_tokens
+
+    def since_heartbeat(self, ts: float) -> tuple[int, int]:
+        """Sequences sent after the heartbeat stamped ``ts``, and their uncached tokens."""
+        if ts != self.since:
+            self.since = ts
+            later = [flight for flight in self.flights.values() if flight.sent_at > ts]
+            self.pending = sum(flight.sequences for flight in later)
+            self.pending_tokens = sum(flight.uncached_tokens for flight in later)
+        return self.pending, self.pending_tokens
+
+
+class Replica:
+    """One replica id's record (:class:`gateway.fleet.fleet.Fleet` keeps one per id it has heard of).
+
+    ``url``, ``model``, ``fingerprint`` and ``block_size`` are its heartbeat's while Redis lists it
+    (``heartbeat``), else those its ``--replica URL`` answered (``static``).
+    """
+
+    __slots__ = (
+        "block_size",
+        "drained",
+        "ejected_url",
+        "failures",
+        "fingerprint",
+        "flights",
+        "heartbeat",
+        "model",
+        "replica_id",
+        "static",
+        "stats",
+        "url",
+    )
+
+    def __init__(self, replica_id: str) -> None:
+        self.replica_id = replica_id
+        self.url = ""
+        self.model = ""
+        self.fingerprint = ""
+        self.block_size = 0
+        self.heartbeat: ReplicaHeartbeat | None = None  # its last one, while Redis lists it
+        self.static: StaticReplica | None = None  # what its --replica URL answered, while it answers
+        self.failures = 0  # in a row
+        self.ejected_url: str | None = None  # where to probe it while it is ejected
+        self.drained = False  # through any gateway (shared in Redis), or through this one
+        self.flights = Flights()
+        self.stats = ReplicaStats()
+
+    @property
+    def source(self) -> str:
+        """``redis`` while Redis lists it, else ``static`` (a ``--replica URL``)."""
+        return "static" if self.heartbeat is None else "redis"
+
+    @property
+    def ejected(self) -> bool:
+        return self.ejected_url is not None
+
+    @property
+    def inflight(self) -> int:
+        """This gateway's requests in flight there."""
+        return len(self.flights.flights)
+
+    def describe(self) -> None:
+        """Takes url, model, fingerprint and block size from its heartbeat, else its discovery."""
+        found = self.heartbeat or self.static
+        if found is not None:
+            self.url, self.model = found.url, found.model
+            self.fingerprint, self.block_size = found.fingerprint, found.block_size
