@@ -17,9 +17,9 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.metrics import GatewayMetrics
+from tests.helpers.metrics import engine_requests, families, scrape
 from tests.helpers.processes import StackProcesses, running_stack
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,7 +120,7 @@ def dashboard_exprs() -> list[tuple[str, str]]:
 @pytest.fixture(scope="module")
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProcesses]:
     workdir = tmp_path_factory.mktemp("deploy-stack")
-    with running_stack(llama_dir, workdir, 1, (), "--admin-key", ADMIN_KEY) as processes:
+    with running_stack(llama_dir, workdir, 1, gateway_args=("--admin-key", ADMIN_KEY)) as processes:
         yield processes
 
 
@@ -130,7 +130,7 @@ class Scrape:
         self.sampled: set[str] = set()  # the series names with at least one sample now
         self.labels: dict[str, set[str]] = {}
         for text in texts:
-            for family in text_string_to_metric_families(text):
+            for family in families(text):
                 suffixes = _SUFFIXES.get(family.type, ("",))
                 self.exported.update(family.name + suffix for suffix in suffixes)
                 for sample in family.samples:
@@ -139,20 +139,15 @@ class Scrape:
                     self.labels.setdefault(sample.name, set()).update(sample.labels)
 
 
-def scrape(stack: StackProcesses) -> Scrape:
-    texts = []
-    for url in (stack.gateway.url, *(r.url for r in stack.replicas)):
-        response = httpx.get(f"{url}/metrics", timeout=10)
-        assert response.status_code == 200
-        texts.append(response.text)
-    metrics = Scrape(*texts)
+def scrape_stack(stack: StackProcesses) -> Scrape:
+    scraped = Scrape(*(scrape(url) for url in (stack.gateway.url, *(r.url for r in stack.replicas))))
     # A family without samples shows no label names; take those from the gateway's definitions.
     definitions = vars(GatewayMetrics(CollectorRegistry())).values()
     for metric in (m for m in definitions if isinstance(m, MetricWrapperBase)):
         for suffix in _SUFFIXES[metric._type]:
-            if metric._name + suffix in metrics.exported - metrics.sampled:
-                metrics.labels[metric._name + suffix] = set(metric._labelnames)
-    return metrics
+            if metric._name + suffix in scraped.exported - scraped.sampled:
+                scraped.labels[metric._name + suffix] = set(metric._labelnames)
+    return scraped
 
 
 def test_every_dashboard_query_uses_exported_metrics(stack: StackProcesses) -> None:
@@ -164,7 +159,7 @@ def test_every_dashboard_query_uses_exported_metrics(stack: StackProcesses) -> N
     ) as reply:
         assert reply.status_code == 200 and "[DONE]" in reply.read().decode()
     assert client.post("/completions", json={**body, "prompt": "Once upon a time"}).status_code == 200
-    metrics = scrape(stack)
+    metrics = scrape_stack(stack)
 
     exprs = dashboard_exprs()
     assert len(exprs) >= 15
@@ -199,7 +194,7 @@ def test_every_dashboard_query_uses_exported_metrics(stack: StackProcesses) -> N
 
 
 def test_the_scrape_check_catches_a_wrong_name(stack: StackProcesses) -> None:
-    metrics = scrape(stack)
+    metrics = scrape_stack(stack)
     assert "kvroute_gateway_time_to_first_token_seconds_bucket" in metrics.exported
     for wrong in (
         "kvroute_gateway_time_to_first_token_seconds",  # a histogram has no bare series
@@ -228,17 +223,6 @@ def run_drain(stack: StackProcesses, admin_key: str, *extra: str) -> subprocess.
         text=True,
         timeout=60,
     )  # fmt: skip
-
-
-def engine_queue(stack: StackProcesses) -> float:
-    """Running + waiting requests in the replica's engine, from its /metrics."""
-    text = httpx.get(f"{stack.replicas[0].url}/metrics", timeout=5).text
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        if family.name in ("vllm:num_requests_running", "vllm:num_requests_waiting")
-        for sample in family.samples
-    )
 
 
 def drained(stack: StackProcesses) -> bool:
@@ -282,11 +266,11 @@ def test_drain_takes_the_replica_out_and_waits_for_requests_in_flight(stack: Sta
     thread.start()
     try:
         assert started.wait(30) and not finished.is_set(), "the request must still run when the drain starts"
-        assert engine_queue(stack) == 1
+        assert engine_requests(stack.replicas[0].url) == 1
         result = run_drain(stack, ADMIN_KEY, "--timeout", "30")
         # Read independently of the script, right after it returned: had it not waited, most of
         # the 3,500 tokens (over a second of decoding) would still be running.
-        assert engine_queue(stack) == 0
+        assert engine_requests(stack.replicas[0].url) == 0
         assert result.returncode == 0, result.stderr
         assert "drained" in result.stderr and drained(stack)
         assert finished.wait(30) and outcome == {"status": 200, "done": True}

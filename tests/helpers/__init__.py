@@ -1,1 +1,2 @@
-"""What several test groups share: real processes, chats, command-line parsing."""
+"""What several test groups share: waiting for a condition (``waiting``), reading Prometheus metrics
+(``metrics``), real processes and whole stacks (``processes``), chats, command-line parsing."""

@@ -1,55 +1,46 @@
-"""Real ``kvroute`` services (a replica, a gateway) in subprocesses, for tests that talk HTTP."""
+"""Real ``kvroute`` services in subprocesses, for tests that talk HTTP: one replica or gateway at a
+time (``KvrouteProcess``, ``ReplicaProcess``), or a whole stack started by the launcher's own code
+(``running_stack``, on ``kvroute up``'s ``LocalStack``)."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
 import httpx
 import pytest
 
 from launcher.local_redis import RedisServer, free_port
+from launcher.stack import LocalStack, StackError, StackSettings
+from tests.helpers.waiting import wait_until
+
+# What every replica of a test stack runs with: exact fp32 numbers, a small cache, fast heartbeats.
+REPLICA_DEFAULTS = ("--dtype", "float32", "--kv-cache-tokens", "8192", "--heartbeat-interval", "0.2")
 
 
-class KvrouteProcess:
-    """Starts ``kvroute SUBCOMMAND ...`` on a free port and waits until /health answers."""
+class Service:
+    """A running ``kvroute`` process listening on 127.0.0.1:``port``, its output in ``log_path``."""
 
-    def __init__(self, subcommand: str, log_path: Path, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+    def __init__(self, process: subprocess.Popen[bytes], port: int, log_path: Path) -> None:
+        self.process = process
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
-        command = [
-            sys.executable, "-m", "launcher.cli", subcommand,
-            "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning", *args,
-        ]  # fmt: skip
-        with log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.kill()
-            raise
 
-    def _wait_healthy(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                pytest.fail(f"process exited with {self.process.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        pytest.fail(f"process not healthy after {timeout} s:\n{self.log_path.read_text()}")
+    @property
+    def replica_id(self) -> str:
+        """What a gateway calls it (``x-kvroute-replica``, the admin API): ``host:port``."""
+        return f"127.0.0.1:{self.port}"
 
-    def __enter__(self) -> KvrouteProcess:
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else "(no log)"
+
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -71,6 +62,34 @@ class KvrouteProcess:
             self.process.wait()
 
 
+class KvrouteProcess(Service):
+    """Starts ``kvroute SUBCOMMAND ...`` on a free port and waits until /health answers."""
+
+    def __init__(self, subcommand: str, log_path: Path, *args: str) -> None:
+        port = free_port()
+        command = [
+            sys.executable, "-m", "launcher.cli", subcommand,
+            "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args,
+        ]  # fmt: skip
+        with log_path.open("wb") as log:
+            super().__init__(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), port, log_path)
+        try:
+            wait_until(
+                self._healthy, f"{subcommand} to answer /health", timeout=120, interval=0.05, detail=self.log
+            )
+        except BaseException:
+            self.kill()
+            raise
+
+    def _healthy(self) -> bool:
+        if self.process.poll() is not None:
+            pytest.fail(f"process exited with {self.process.returncode}:\n{self.log()}")
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+
 class ReplicaProcess(KvrouteProcess):
     """``kvroute replica --model DIR ...``."""
 
@@ -84,65 +103,51 @@ class StackProcesses:
 
     model: str
     redis: RedisServer
-    gateway: KvrouteProcess
-    replicas: list[ReplicaProcess]
+    gateway: Service
+    replicas: list[Service]
     workdir: Path
 
-    def replica(self, replica_id: str) -> ReplicaProcess:
-        return next(r for r in self.replicas if f"127.0.0.1:{r.port}" == replica_id)
-
-
-def start_replicas(
-    model_dir: Path, workdir: Path, redis_url: str, count: int, *args: str
-) -> list[ReplicaProcess]:
-    """Starts ``count`` replicas side by side (model loading overlaps), each publishing to Redis."""
-    with ThreadPoolExecutor(count) as pool:
-        futures = [
-            pool.submit(
-                ReplicaProcess,
-                model_dir,
-                workdir / f"replica{i}.log",
-                "--dtype",
-                "float32",
-                "--kv-cache-tokens",
-                "8192",
-                "--redis",
-                redis_url,
-                "--heartbeat-interval",
-                "0.2",
-                *args,
-            )
-            for i in range(count)
-        ]
-    replicas = [f.result() for f in futures if f.exception() is None]
-    failures = [f.exception() for f in futures if f.exception() is not None]
-    if failures:
-        for replica in replicas:
-            replica.kill()
-        raise failures[0]  # type: ignore[misc]
-    return replicas
+    def replica(self, replica_id: str) -> Service:
+        return next(r for r in self.replicas if r.replica_id == replica_id)
 
 
 @contextmanager
 def running_stack(
-    model_dir: Path, workdir: Path, replicas: int, replica_args: tuple[str, ...] = (), *gateway_args: str
+    model_dir: Path,
+    workdir: Path,
+    replicas: int = 1,
+    *,
+    replica_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
 ) -> Iterator[StackProcesses]:
-    """A private Redis, ``replicas`` replicas and a gateway that sees them all; torn down after."""
-    redis = RedisServer(workdir)
-    redis.start()
-    started: list[ReplicaProcess] = []
-    gateway = None
+    """What ``kvroute up`` starts, started by its own code: a private Redis, ``replicas`` replicas
+    on ``model_dir`` (``REPLICA_DEFAULTS``, then ``replica_args``) and a gateway that sees them all
+    (``gateway_args``), each logging to ``workdir/NAME.log``; stopped in the launcher's order after."""
+    port = free_port()
+    settings = StackSettings(
+        replicas=replicas,
+        model=model_dir,
+        port=port,
+        replica_args=[*REPLICA_DEFAULTS, *replica_args],
+        gateway_args=list(gateway_args),
+        log_dir=workdir,
+    )
+    stack = LocalStack(settings)
     try:
-        started = start_replicas(model_dir, workdir, redis.url, replicas, *replica_args)
-        gateway = KvrouteProcess("gateway", workdir / "gateway.log", "--redis", redis.url, *gateway_args)
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{gateway.url}/health", timeout=5).json()["replicas"] < replicas:
-            assert time.monotonic() < deadline, "the gateway never saw every replica"
-            time.sleep(0.1)
-        yield StackProcesses(model_dir.name, redis, gateway, started, workdir)
+        try:
+            stack.start(model_dir)
+        except StackError as error:
+            logs = "\n".join(
+                f"--- {log.name}\n{log.read_text(errors='replace')}" for log in workdir.glob("*.log")
+            )
+            pytest.fail(f"the stack did not start: {error}\n{logs}")
+        assert stack.redis is not None
+        services = [
+            Service(child.process, int(child.url.rsplit(":", 1)[1]), workdir / f"{child.name}.log")
+            for child in stack.children
+            if child.url is not None
+        ]
+        *replica_services, gateway = services
+        yield StackProcesses(model_dir.name, stack.redis, gateway, replica_services, workdir)
     finally:
-        if gateway is not None:
-            gateway.terminate()
-        for replica in started:
-            replica.kill()
-        redis.stop()
+        stack.stop()

@@ -12,8 +12,6 @@ import asyncio
 import random
 import subprocess
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
 
 import pytest
 import torch
@@ -35,30 +33,17 @@ from replica.kvcache.events import KVEventOutbox
 from replica.kvcache.pool import KVPool
 from replica.kvcache.radix_cache import RadixCache
 from replica.publisher import KVPublisher, PublisherConfig
+from tests.helpers.metrics import sample_value
+from tests.helpers.waiting import wait_until_async
 
 BLOCK = 4
 FINGERPRINT = "test-tokenizer"
 PREFIX = "t"
 HEARTBEAT_TTL = 0.4
 KEYS = Keys(PREFIX)
+TIMEOUT_S = 30  # each test's bound
 
-
-def run(scenario: Coroutine[Any, Any, None], timeout: float = 30) -> None:
-    asyncio.run(asyncio.wait_for(scenario, timeout))
-
-
-async def wait_until(condition: Callable[[], bool | Awaitable[bool]], timeout: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while True:
-        result = condition()
-        if not isinstance(result, bool):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.02)
+pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
 
 
 class SimReplica:
@@ -189,9 +174,9 @@ def check_lookups(mirror: IndexMirror, replica: SimReplica) -> None:
         assert mirror.lookup(replica.model, hashes)[replica.replica_id] == held
 
 
-def sample(mirror: IndexMirror, name: str, **labels: str) -> float:
-    value = mirror.registry.get_sample_value(name, labels)
-    return 0.0 if value is None else value
+def index_metric(mirror: IndexMirror, name: str, **labels: str) -> float:
+    """A sample of the mirror's own registry; 0 while the series has none."""
+    return sample_value(mirror.registry, name, default=0.0, **labels)
 
 
 def new_mirror(server: RedisServer) -> IndexMirror:
@@ -208,8 +193,8 @@ def test_gateway_never_imports_torch_or_the_replica() -> None:
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-def test_churn_with_a_mirror_started_midway(redis_server: RedisServer) -> None:
-    async def scenario() -> None:
+async def test_churn_with_a_mirror_started_midway(redis_server: RedisServer) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
         replicas = [
             SimReplica(redis_server.url, f"r{i}", "model-a" if i < 2 else "model-b", seed=i) for i in range(4)
@@ -223,34 +208,34 @@ def test_churn_with_a_mirror_started_midway(redis_server: RedisServer) -> None:
         assert not mirror.stale
         try:
             await asyncio.gather(*churn)
-            await wait_until(lambda: views_agree(mirror, redis, replicas), 10, "views to agree")
+            await wait_until_async(lambda: views_agree(mirror, redis, replicas), "views to agree", timeout=10)
             for replica in replicas:
                 check_lookups(mirror, replica)
             assert {info.model for info in mirror.replicas("model-a")} == {"model-a"}
             assert len(mirror.replicas("model-b")) == 2
-            assert sample(mirror, "kvroute_index_blocks") == mirror.index.size
-            assert sample(mirror, "kvroute_index_replicas", model="model-a") == 2
-            assert sample(mirror, "kvroute_index_events_applied_total") > 0
-            assert sample(mirror, "kvroute_index_bootstraps_total", reason="start") == 1
-            assert sample(mirror, "kvroute_index_stale") == 0
-            assert 0 <= sample(mirror, "kvroute_index_lag_seconds") < 5
+            assert index_metric(mirror, "kvroute_index_blocks") == mirror.index.size
+            assert index_metric(mirror, "kvroute_index_replicas", model="model-a") == 2
+            assert index_metric(mirror, "kvroute_index_events_applied_total") > 0
+            assert index_metric(mirror, "kvroute_index_bootstraps_total", reason="start") == 1
+            assert index_metric(mirror, "kvroute_index_stale") == 0
+            assert 0 <= index_metric(mirror, "kvroute_index_lag_seconds") < 5
             # Graceful stop deregisters: the mirror drops the replica at once.
             await replicas[0].publisher.stop()
-            await wait_until(lambda: views_agree(mirror, redis, replicas[1:]), 5, "r0 to be dropped")
+            await wait_until_async(
+                lambda: views_agree(mirror, redis, replicas[1:]), "r0 to be dropped", timeout=5
+            )
         finally:
             await mirror.stop()
             for replica in replicas[1:]:
                 await replica.publisher.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_replaying_events_already_in_the_snapshot_converges(redis_server: RedisServer) -> None:
+async def test_replaying_events_already_in_the_snapshot_converges(redis_server: RedisServer) -> None:
     """A mirror whose stream position is older than its snapshot (the bootstrap race at its
     worst: the whole stream, flushes and a restart included) still ends exact."""
 
-    async def scenario() -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
         first = SimReplica(redis_server.url, "r0", "m", seed=7)
         await first.publisher.start()
@@ -264,24 +249,28 @@ def test_replaying_events_already_in_the_snapshot_converges(redis_server: RedisS
         mirror = new_mirror(redis_server)
         await mirror.start()
         try:
-            await wait_until(lambda: views_agree(mirror, redis, [replica]), 5, "views to agree")
+            await wait_until_async(lambda: views_agree(mirror, redis, [replica]), "views to agree", timeout=5)
             await mirror.pause()
             # Rewind to before everything: every entry gets replayed over the snapshot.
             mirror._streams["m"].last_id = b"0-0"
             mirror.resume()
-            await wait_until(lambda: sample(mirror, "kvroute_index_events_applied_total") > 20, 5, "replay")
-            await wait_until(lambda: views_agree(mirror, redis, [replica]), 5, "views to agree after replay")
-            assert sample(mirror, "kvroute_index_bootstraps_total", reason="gap") == 0
+            await wait_until_async(
+                lambda: index_metric(mirror, "kvroute_index_events_applied_total") > 20,
+                "replay",
+                timeout=5,
+            )
+            await wait_until_async(
+                lambda: views_agree(mirror, redis, [replica]), "views to agree after replay", timeout=5
+            )
+            assert index_metric(mirror, "kvroute_index_bootstraps_total", reason="gap") == 0
         finally:
             await mirror.stop()
             await replica.publisher.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_replica_restart_purges_its_old_blocks(redis_server: RedisServer) -> None:
-    async def scenario() -> None:
+async def test_replica_restart_purges_its_old_blocks(redis_server: RedisServer) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
         mirror = new_mirror(redis_server)
         await mirror.start()
@@ -290,18 +279,24 @@ def test_replica_restart_purges_its_old_blocks(redis_server: RedisServer) -> Non
         await old.churn(80)
         new: SimReplica | None = None
         try:
-            await wait_until(lambda: views_agree(mirror, redis, [old]), 5, "the first epoch to be mirrored")
+            await wait_until_async(
+                lambda: views_agree(mirror, redis, [old]), "the first epoch to be mirrored", timeout=5
+            )
             old_blocks = old.cache.block_hashes()
             assert old_blocks
             await old.crash()
             new = SimReplica(redis_server.url, "r0", "m", seed=2)  # same id, empty cache
             await new.publisher.start()
             assert new.publisher.epoch != old.publisher.epoch
-            await wait_until(lambda: mirror.replicas()[0].epoch == new.publisher.epoch, 5, "the new epoch")
+            await wait_until_async(
+                lambda: mirror.replicas()[0].epoch == new.publisher.epoch, "the new epoch", timeout=5
+            )
             assert mirror.index.size == 0
             assert mirror.lookup("m", sorted(old_blocks)) == {"r0": 0}
             await new.churn(40)
-            await wait_until(lambda: views_agree(mirror, redis, [new]), 5, "the new epoch's blocks")
+            await wait_until_async(
+                lambda: views_agree(mirror, redis, [new]), "the new epoch's blocks", timeout=5
+            )
             assert not (old_blocks - new.cache.block_hashes()) & set(mirror.index.replica_blocks("r0"))
         finally:
             await mirror.stop()
@@ -309,11 +304,9 @@ def test_replica_restart_purges_its_old_blocks(redis_server: RedisServer) -> Non
                 await new.publisher.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_dead_replica_is_dropped_when_its_heartbeat_expires(redis_server: RedisServer) -> None:
-    async def scenario() -> None:
+async def test_dead_replica_is_dropped_when_its_heartbeat_expires(redis_server: RedisServer) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
         mirror = new_mirror(redis_server)
         await mirror.start()
@@ -322,11 +315,13 @@ def test_dead_replica_is_dropped_when_its_heartbeat_expires(redis_server: RedisS
             await replica.publisher.start()
             await replica.churn(40)
         try:
-            await wait_until(lambda: views_agree(mirror, redis, replicas), 5, "views to agree")
+            await wait_until_async(lambda: views_agree(mirror, redis, replicas), "views to agree", timeout=5)
             loop = asyncio.get_running_loop()
             crashed_at = loop.time()
             await replicas[0].crash()
-            await wait_until(lambda: len(mirror.replicas()) == 1, 3 * HEARTBEAT_TTL, "the dead replica to go")
+            await wait_until_async(
+                lambda: len(mirror.replicas()) == 1, "the dead replica to go", timeout=3 * HEARTBEAT_TTL
+            )
             assert loop.time() - crashed_at <= 3 * HEARTBEAT_TTL
             assert await views_agree(mirror, redis, replicas[1:])
         finally:
@@ -334,14 +329,12 @@ def test_dead_replica_is_dropped_when_its_heartbeat_expires(redis_server: RedisS
             await replicas[1].publisher.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None:
+async def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None:
     """A crashed replica leaves its id and blocks set in Redis; after ``prune_after`` without a
     heartbeat the mirror deletes them, and a replica that comes back registers again."""
 
-    async def scenario() -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
         mirror = IndexMirror(redis_server.url, prefix=PREFIX, poll_interval=0.1, block_ms=50, prune_after=1.0)
         await mirror.start()
@@ -351,10 +344,12 @@ def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None
             await replica.churn(20)
         keys = Keys(PREFIX)
         try:
-            await wait_until(lambda: len(mirror.replicas()) == 2, 5, "both replicas")
+            await wait_until_async(lambda: len(mirror.replicas()) == 2, "both replicas", timeout=5)
             await redis.sadd(keys.drained, "r0", "r1")
             await crashed.crash()
-            await wait_until(lambda: len(mirror.replicas()) == 1, 3 * HEARTBEAT_TTL, "the crash to show")
+            await wait_until_async(
+                lambda: len(mirror.replicas()) == 1, "the crash to show", timeout=3 * HEARTBEAT_TTL
+            )
             # not at once: a replica cut off from Redis for a moment must not lose its blocks set
             assert await redis.sismember(keys.replicas, "r0") and await redis.exists(keys.blocks("r0"))
             await asyncio.sleep(1.5)
@@ -367,11 +362,9 @@ def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -> None
             await alive.publisher.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_redis_restart_both_sides_recover(redis_server: RedisServer) -> None:
-    async def scenario() -> None:
+async def test_redis_restart_both_sides_recover(redis_server: RedisServer) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         mirror = new_mirror(redis_server)
         await mirror.start()
         replicas = [SimReplica(redis_server.url, f"r{i}", "m", seed=10 + i) for i in range(3)]
@@ -380,13 +373,13 @@ def test_redis_restart_both_sides_recover(redis_server: RedisServer) -> None:
         await asyncio.gather(*(replica.churn(60) for replica in replicas))
         redis = Redis.from_url(redis_server.url)
         try:
-            await wait_until(lambda: views_agree(mirror, redis, replicas), 5, "views to agree")
+            await wait_until_async(lambda: views_agree(mirror, redis, replicas), "views to agree", timeout=5)
             before = {rid: mirror.index.replica_blocks(rid) for rid in ("r0", "r1", "r2")}
             epochs = {replica.publisher.epoch for replica in replicas}
 
             redis_server.stop()
-            await wait_until(lambda: mirror.stale, 5, "the mirror to notice")
-            assert sample(mirror, "kvroute_index_stale") == 1
+            await wait_until_async(lambda: mirror.stale, "the mirror to notice", timeout=5)
+            assert index_metric(mirror, "kvroute_index_stale") == 1
             # Caches move on meanwhile; the mirror keeps serving its last state.
             await asyncio.gather(*(replica.churn(30) for replica in replicas))
             assert {rid: mirror.index.replica_blocks(rid) for rid in before} == before
@@ -394,21 +387,21 @@ def test_redis_restart_both_sides_recover(redis_server: RedisServer) -> None:
             redis_server.start()  # empty: everything must be republished
             await redis.aclose()
             redis = Redis.from_url(redis_server.url)  # the old client's connection died
-            await wait_until(lambda: not mirror.stale, 5, "the mirror to resync")
-            await wait_until(lambda: views_agree(mirror, redis, replicas), 10, "views to agree after restart")
+            await wait_until_async(lambda: not mirror.stale, "the mirror to resync", timeout=5)
+            await wait_until_async(
+                lambda: views_agree(mirror, redis, replicas), "views to agree after restart", timeout=10
+            )
             assert not epochs & {replica.publisher.epoch for replica in replicas}
-            assert sample(mirror, "kvroute_index_bootstraps_total", reason="resync") >= 1
+            assert index_metric(mirror, "kvroute_index_bootstraps_total", reason="resync") >= 1
         finally:
             await mirror.stop()
             for replica in replicas:
                 await replica.publisher.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_mirror_starts_stale_without_redis_and_syncs_when_it_comes(redis_server: RedisServer) -> None:
-    async def scenario() -> None:
+async def test_mirror_starts_stale_without_redis_and_syncs_when_it_comes(redis_server: RedisServer) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis_server.stop()
         mirror = new_mirror(redis_server)
         await mirror.start()  # must not raise
@@ -416,15 +409,13 @@ def test_mirror_starts_stale_without_redis_and_syncs_when_it_comes(redis_server:
             assert mirror.stale
             assert mirror.lookup("m", [1, 2, 3]) == {}
             redis_server.start()
-            await wait_until(lambda: not mirror.stale, 5, "the first bootstrap")
+            await wait_until_async(lambda: not mirror.stale, "the first bootstrap", timeout=5)
         finally:
             await mirror.stop()
 
-    run(scenario())
 
-
-def test_stream_trimmed_past_a_slow_mirror_triggers_a_bootstrap(redis_server: RedisServer) -> None:
-    async def scenario() -> None:
+async def test_stream_trimmed_past_a_slow_mirror_triggers_a_bootstrap(redis_server: RedisServer) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         # Small stream nodes, so that the publishers' approximate MAXLEN really trims.
         client = redis_server.client()
         client.config_set("stream-node-max-entries", 4)
@@ -439,8 +430,8 @@ def test_stream_trimmed_past_a_slow_mirror_triggers_a_bootstrap(redis_server: Re
         await mirror.start()
         try:
             await asyncio.gather(*(replica.churn(20) for replica in replicas))
-            await wait_until(lambda: views_agree(mirror, redis, replicas), 5, "views to agree")
-            assert sample(mirror, "kvroute_index_bootstraps_total", reason="gap") == 0
+            await wait_until_async(lambda: views_agree(mirror, redis, replicas), "views to agree", timeout=5)
+            assert index_metric(mirror, "kvroute_index_bootstraps_total", reason="gap") == 0
 
             await mirror.pause()
             added_before = (await redis.xinfo_stream(KEYS.events("m")))["entries-added"]
@@ -450,22 +441,24 @@ def test_stream_trimmed_past_a_slow_mirror_triggers_a_bootstrap(redis_server: Re
             assert info["length"] < 30  # ...and the stream no longer holds them all
 
             mirror.resume()
-            await wait_until(
-                lambda: sample(mirror, "kvroute_index_bootstraps_total", reason="gap") >= 1, 5, "the gap"
+            await wait_until_async(
+                lambda: index_metric(mirror, "kvroute_index_bootstraps_total", reason="gap") >= 1,
+                "the gap",
+                timeout=5,
             )
-            await wait_until(lambda: views_agree(mirror, redis, replicas), 5, "views to agree after the gap")
+            await wait_until_async(
+                lambda: views_agree(mirror, redis, replicas), "views to agree after the gap", timeout=5
+            )
         finally:
             await mirror.stop()
             for replica in replicas:
                 await replica.publisher.stop()
             await redis.aclose()
 
-    run(scenario())
-
 
 @pytest.mark.parametrize("bad", [{"v": "999"}, {"v": "1", "url": "x"}])
-def test_bad_heartbeats_are_ignored(redis_server: RedisServer, bad: dict[str, str]) -> None:
-    async def scenario() -> None:
+async def test_bad_heartbeats_are_ignored(redis_server: RedisServer, bad: dict[str, str]) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
         await redis.sadd(KEYS.replicas, "weird")
         await redis.hset(KEYS.heartbeat("weird"), mapping=bad)
@@ -478,14 +471,12 @@ def test_bad_heartbeats_are_ignored(redis_server: RedisServer, bad: dict[str, st
             await mirror.stop()
             await redis.aclose()
 
-    run(scenario())
 
-
-def test_epochs_at_the_protocol_level(redis_server: RedisServer) -> None:
+async def test_epochs_at_the_protocol_level(redis_server: RedisServer) -> None:
     """Hand-written Redis state: a heartbeat epoch change reloads the replica even without a
     CLEARED in the stream; events of another epoch, or of an unknown replica, are ignored."""
 
-    async def scenario() -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         redis = Redis.from_url(redis_server.url)
 
         async def register(epoch: str, hashes: list[int]) -> None:
@@ -511,25 +502,25 @@ def test_epochs_at_the_protocol_level(redis_server: RedisServer) -> None:
             assert mirror.lookup("m", [1, 2, 3, 4]) == {"x": 3}
             assert mirror.index.replica_blocks("x") == {1, 2, 3}
             await publish("x", "e1", EventKind.STORED, [4])
-            await wait_until(lambda: mirror.lookup("m", [1, 2, 3, 4]) == {"x": 4}, 2, "e1's event")
+            await wait_until_async(
+                lambda: mirror.lookup("m", [1, 2, 3, 4]) == {"x": 4}, "e1's event", timeout=2
+            )
             await register("e2", [7, 8])  # a new epoch nobody announced in the stream
-            await wait_until(lambda: mirror.replicas()[0].epoch == "e2", 2, "the epoch change")
+            await wait_until_async(lambda: mirror.replicas()[0].epoch == "e2", "the epoch change", timeout=2)
             assert mirror.index.replica_blocks("x") == {7, 8}
             await publish("x", "e1", EventKind.STORED, [9])  # a late event of the old epoch
             await publish("ghost", "e1", EventKind.STORED, [10])  # a replica without a heartbeat
             await publish("x", "e2", EventKind.REMOVED, [8])
-            await wait_until(lambda: mirror.index.replica_blocks("x") == {7}, 2, "e2's event")
+            await wait_until_async(lambda: mirror.index.replica_blocks("x") == {7}, "e2's event", timeout=2)
             assert mirror.index.size == 1
             # A flush as the publisher writes it: CLEARED under a new epoch, set and heartbeat along.
             await publish("x", "e3", EventKind.CLEARED, [])
             await publish("x", "e3", EventKind.STORED, [5])
             await register("e3", [5])
-            await wait_until(lambda: mirror.index.replica_blocks("x") == {5}, 2, "e3's events")
+            await wait_until_async(lambda: mirror.index.replica_blocks("x") == {5}, "e3's events", timeout=2)
             await asyncio.sleep(3 * mirror.poll_interval)
             assert mirror.index.replica_blocks("x") == {5}
             assert mirror.replicas()[0].epoch == "e3"
         finally:
             await mirror.stop()
             await redis.aclose()
-
-    run(scenario())

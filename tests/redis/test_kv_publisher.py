@@ -40,6 +40,7 @@ from replica.kvcache.events import KVEventOutbox
 from replica.publisher import KVPublisher, PublisherConfig
 from tests.conftest import EngineFactory
 from tests.helpers.processes import ReplicaProcess
+from tests.helpers.waiting import wait_until, wait_until_async
 from tests.unit.test_engine_logits import random_prompt
 
 pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
@@ -134,13 +135,6 @@ def hashes_of(events: list[Event], kind: EventKind) -> list[int]:
     return [h for event in events if event.kind is kind for h in event.hashes]
 
 
-async def until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 def generate(engine: LLMEngine, request_id: str, prompt: list[int], max_tokens: int) -> list[int]:
     """Runs one greedy request to completion on the calling thread; returns its output tokens."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -222,7 +216,11 @@ async def test_publishes_exactly_what_the_engine_caches(
     try:
         # the engine runs on its own thread while the publisher drains concurrently
         output = await asyncio.to_thread(generate, engine, "a", prompt, 30)
-        await until(lambda: in_sync(client, publisher, engine))
+        await wait_until_async(
+            lambda: in_sync(client, publisher, engine),
+            "Redis, the publisher and the cache to agree",
+            timeout=5,
+        )
         expected = block_hashes(prompt + output, 16, engine.block_seed)
         assert len(expected) == 8 and redis_blocks(client) == set(expected)
         events = stream(client, engine.served_model_name)
@@ -230,7 +228,9 @@ async def test_publishes_exactly_what_the_engine_caches(
         assert replay(events) == (publisher.epoch, set(expected))
 
         assert engine.cache.evict(3) == 3
-        await until(lambda: in_sync(client, publisher, engine))
+        await wait_until_async(
+            lambda: in_sync(client, publisher, engine), "the evictions to reach Redis", timeout=5
+        )
         assert redis_blocks(client) == set(expected[:5])
         events = stream(client, engine.served_model_name)
         assert sorted(hashes_of(events, EventKind.REMOVED)) == sorted(expected[5:])
@@ -250,7 +250,9 @@ async def test_a_flush_starts_a_new_epoch_in_the_same_transaction(redis_server: 
         outbox.append(EventKind.STORED, [1, 2, 3], time.time())
         outbox.append(EventKind.CLEARED, [], time.time())
         outbox.append(EventKind.STORED, [4], time.time())
-        await until(lambda: redis_blocks(client) == {4})
+        await wait_until_async(
+            lambda: redis_blocks(client) == {4}, "the flush and block 4 to reach Redis", timeout=5
+        )
         assert publisher.epoch != first_epoch and publisher.blocks == {4}
         assert heartbeat(client)["epoch"] == publisher.epoch
         assert replay(stream(client)) == (publisher.epoch, {4})
@@ -267,7 +269,11 @@ async def test_big_batches_are_split_and_still_replay(redis_server: RedisServer)
     try:
         outbox.append(EventKind.STORED, list(range(1, 1001)), time.time())
         outbox.append(EventKind.REMOVED, list(range(1, 251)), time.time())
-        await until(lambda: redis_blocks(client) == set(range(251, 1001)))
+        await wait_until_async(
+            lambda: redis_blocks(client) == set(range(251, 1001)),
+            "the split batches to reach Redis",
+            timeout=5,
+        )
         events = stream(client)
         assert max(len(event.hashes) for event in events) == 100
         assert replay(events) == (publisher.epoch, set(range(251, 1001)))
@@ -307,14 +313,26 @@ async def test_heartbeat_tracks_load_and_stop_deregisters(
     stopped = False
     try:
         engine.add_request("a", random_prompt(40, seed=4), params)
-        await until(load_is(waiting="1", waiting_prefill_tokens="40", running="0"))
+        await wait_until_async(
+            load_is(waiting="1", waiting_prefill_tokens="40", running="0"),
+            "a heartbeat with the request waiting",
+            timeout=5,
+        )
         engine.step()  # the whole prompt fits one step's budget
-        await until(load_is(waiting="0", waiting_prefill_tokens="0", running="1"))
+        await wait_until_async(
+            load_is(waiting="0", waiting_prefill_tokens="0", running="1"),
+            "a heartbeat with the request running",
+            timeout=5,
+        )
         assert int(heartbeat(client)["kv_used_pages"]) >= 3
         while engine.has_unfinished():
             engine.step()
-        await until(load_is(running="0"))
-        await until(lambda: in_sync(client, publisher, engine))
+        await wait_until_async(load_is(running="0"), "a heartbeat with nothing running", timeout=5)
+        await wait_until_async(
+            lambda: in_sync(client, publisher, engine),
+            "Redis, the publisher and the cache to agree",
+            timeout=5,
+        )
         assert redis_blocks(client)
         client.sadd(KEYS.drained, REPLICA, "another-replica")  # an admin drained it (and another)
 
@@ -343,17 +361,31 @@ async def test_redis_restart_republishes_everything_under_a_new_epoch(
     await publisher.start()
     try:
         await asyncio.to_thread(generate, engine, "a", random_prompt(70, seed=5), 10)
-        await until(lambda: in_sync(client, publisher, engine))
+        await wait_until_async(
+            lambda: in_sync(client, publisher, engine),
+            "Redis, the publisher and the cache to agree",
+            timeout=5,
+        )
         old_epoch = publisher.epoch
 
         redis_server.stop()
         await asyncio.to_thread(generate, engine, "b", random_prompt(90, seed=6), 10)
         assert engine.cache.evict(2) == 2
-        await until(lambda: not publisher.connected)
-        await until(lambda: publisher.blocks == engine.cache.block_hashes())
+        await wait_until_async(
+            lambda: not publisher.connected, "the publisher to notice the outage", timeout=5
+        )
+        await wait_until_async(
+            lambda: publisher.blocks == engine.cache.block_hashes(),
+            "the publisher to track the cache offline",
+            timeout=5,
+        )
 
         redis_server.start()  # empty: no persistence
-        await until(lambda: publisher.connected and in_sync(client, publisher, engine))
+        await wait_until_async(
+            lambda: publisher.connected and in_sync(client, publisher, engine),
+            "the republish after the restart",
+            timeout=5,
+        )
         assert publisher.epoch != old_epoch
         assert heartbeat(client)["epoch"] == publisher.epoch
         assert client.smembers(KEYS.replicas) == {REPLICA.encode()}
@@ -365,7 +397,9 @@ async def test_redis_restart_republishes_everything_under_a_new_epoch(
 
         # and ordinary publishing carries on
         await asyncio.to_thread(generate, engine, "c", random_prompt(50, seed=7), 10)
-        await until(lambda: in_sync(client, publisher, engine))
+        await wait_until_async(
+            lambda: in_sync(client, publisher, engine), "the new blocks to reach Redis", timeout=5
+        )
         assert replay(stream(client, model)) == (publisher.epoch, publisher.blocks)
     finally:
         await publisher.stop()
@@ -380,14 +414,22 @@ async def test_hung_redis_times_out_resyncs_and_never_blocks_stop(redis_server: 
     stopped = False
     try:
         outbox.append(EventKind.STORED, [1, 2, 3], time.time())
-        await until(lambda: redis_blocks(client) == {1, 2, 3})
+        await wait_until_async(
+            lambda: redis_blocks(client) == {1, 2, 3}, "blocks 1-3 to reach Redis", timeout=5
+        )
         old_epoch = publisher.epoch
         with frozen(redis_server):
             outbox.append(EventKind.STORED, [4], time.time())
             outbox.append(EventKind.REMOVED, [1], time.time())
-            await until(lambda: not publisher.connected)
+            await wait_until_async(
+                lambda: not publisher.connected, "the publisher to notice the hang", timeout=5
+            )
         # Redis kept its data but may have missed any part of it: a full republish fixes that
-        await until(lambda: publisher.connected and redis_blocks(client) == {2, 3, 4})
+        await wait_until_async(
+            lambda: publisher.connected and redis_blocks(client) == {2, 3, 4},
+            "the republish after the hang",
+            timeout=5,
+        )
         assert publisher.epoch != old_epoch and heartbeat(client)["epoch"] == publisher.epoch
         assert replay(stream(client)) == (publisher.epoch, {2, 3, 4})
 
@@ -411,9 +453,15 @@ async def test_starts_without_redis_and_registers_when_it_appears(redis_server: 
     try:
         assert not publisher.connected
         outbox.append(EventKind.STORED, [7, 8], time.time())
-        await until(lambda: publisher.blocks == {7, 8})
+        await wait_until_async(
+            lambda: publisher.blocks == {7, 8}, "the publisher to track the cache offline", timeout=5
+        )
         redis_server.start()
-        await until(lambda: publisher.connected and redis_blocks(client) == {7, 8})
+        await wait_until_async(
+            lambda: publisher.connected and redis_blocks(client) == {7, 8},
+            "the registration once Redis appears",
+            timeout=5,
+        )
         assert heartbeat(client)["epoch"] == publisher.epoch
         assert replay(stream(client)) == (publisher.epoch, {7, 8})
     finally:
@@ -462,7 +510,9 @@ async def test_stream_is_trimmed(redis_server: RedisServer) -> None:
             outbox.append(EventKind.STORED, [block], time.time())
             outbox.append(EventKind.REMOVED, [block], time.time())
         outbox.append(EventKind.STORED, [5000], time.time())
-        await until(lambda: redis_blocks(client) == {5000})
+        await wait_until_async(
+            lambda: redis_blocks(client) == {5000}, "the last block to reach Redis", timeout=5
+        )
         # approximate MAXLEN trims whole stream nodes (100 entries by default)
         assert 50 <= client.xlen(KEYS.events(MODEL)) <= 50 + 100
     finally:
@@ -502,10 +552,7 @@ def test_cli_replica_publishes_and_deregisters_on_sigterm(
             timeout=60,
         )
         assert response.status_code == 200, response.text
-        deadline = time.monotonic() + 5
-        while not redis_blocks(client, replica):
-            assert time.monotonic() < deadline, "no blocks published"
-            time.sleep(0.02)
+        wait_until(lambda: redis_blocks(client, replica), "the replica to publish its blocks", timeout=5)
         beat = heartbeat(client, replica)
         assert beat["url"] == process.url and beat["model"] == llama_dir.name
         assert client.smembers(KEYS.replicas) == {replica.encode()}
@@ -541,10 +588,11 @@ def test_sigterm_leaves_the_index_at_once_and_still_finishes_in_flight_requests(
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: ")), "no first chunk"
             process.process.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 1.0  # the stream still has ~2.5 s to go
-            while client.exists(KEYS.heartbeat(replica)) or client.smembers(KEYS.replicas):
-                assert time.monotonic() < deadline, "still registered after SIGTERM"
-                time.sleep(0.02)
+            wait_until(  # the stream still has ~2.5 s to go
+                lambda: not (client.exists(KEYS.heartbeat(replica)) or client.smembers(KEYS.replicas)),
+                "the replica to deregister after SIGTERM",
+                timeout=1.0,
+            )
             rest = [line for line in lines if line.startswith("data: ")]
         assert rest[-1] == "data: [DONE]", process.log_path.read_text()
         text_chunks = [json.loads(line[6:]) for line in rest[:-1]]

@@ -7,8 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from launcher.local_redis import free_port
-from tests.helpers.processes import running_stack
+from tests.helpers.processes import ReplicaProcess, running_stack
 
 
 def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
@@ -20,6 +22,8 @@ def _bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]
     )
 
 
+# slow: a two-point sweep of the benchmark; `bench serve` itself is covered by the plain-replica test
+@pytest.mark.slow
 def test_serve_sweep_through_the_gateway(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "serve.json"
     with running_stack(llama_dir, tmp_path, 2) as stack:
@@ -55,8 +59,10 @@ def test_serve_sweep_through_the_gateway(llama_dir: Path, tmp_path: Path) -> Non
 
 def test_serve_against_a_plain_replica_and_a_dead_url(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "random.json"
-    with running_stack(llama_dir, tmp_path, 1) as stack:
-        replica_url = f"http://127.0.0.1:{stack.replicas[0].port}"
+    with ReplicaProcess(
+        llama_dir, tmp_path / "replica.log", "--dtype", "float32", "--kv-cache-tokens", "8192"
+    ) as replica:
+        replica_url = replica.url
         result = _bench(
             "serve", "--base-url", replica_url, "--tokenizer", str(llama_dir), "--dataset", "random",
             "--num-prompts", "10", "--input-len", "40", "--output-len", "4", "--endpoint", "/v1/completions",
@@ -86,6 +92,9 @@ def test_python_dash_m_loadtests_is_the_bench_cli(llama_dir: Path) -> None:
     assert "kvroute bench: error: cannot list the models" in dead.stderr and "Traceback" not in dead.stderr
 
 
+# slow: a benchmark of two policies on two fresh stacks; routing itself is what tests/stack/
+# test_chat_affinity.py and test_gateway_e2e.py check
+@pytest.mark.slow
 def test_compare_kv_beats_round_robin_on_cached_tokens(llama_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "compare.json"
     result = _bench(

@@ -3,7 +3,6 @@ processes, driven by the official ``openai`` client with only ``base_url`` and `
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,7 +13,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.helpers.processes import KvrouteProcess, ReplicaProcess, running_stack
+from tests.helpers.metrics import sample_value, scrape
+from tests.helpers.processes import Service, running_stack
+from tests.helpers.waiting import wait_until
 
 BLOCK = 16
 
@@ -22,8 +23,8 @@ BLOCK = 16
 @dataclass
 class Stack:
     model: str
-    gateway: KvrouteProcess
-    replicas: list[ReplicaProcess]
+    gateway: Service
+    replicas: list[Service]
     client: OpenAI
 
 
@@ -128,14 +129,9 @@ def test_concurrent_new_conversations_spread_and_then_stick(stack: Stack) -> Non
         assert second.usage is not None and second.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def _metric(replica: ReplicaProcess, name: str, label: str = "") -> float:
-    """The sum of a replica metric's samples (all labels, or those whose labels hold ``label``)."""
-    text = httpx.get(f"{replica.url}/metrics", timeout=10).text
-    return sum(
-        float(line.split()[-1])
-        for line in text.splitlines()
-        if line.startswith((name + " ", name + "{")) and label in line
-    )
+def _metric(replica: Service, name: str, **labels: str) -> float:
+    """The sum of a replica metric's samples (all of them, or those with ``labels``)."""
+    return sample_value(scrape(replica.url), name, default=0.0, **labels)
 
 
 def _long_talk(stack: Stack, content: str, **fields: object) -> dict[str, object]:
@@ -144,11 +140,12 @@ def _long_talk(stack: Stack, content: str, **fields: object) -> dict[str, object
     return {"model": stack.model, "messages": messages, "max_tokens": 2000, "ignore_eos": True, **fields}
 
 
-def _wait_until_idle(replicas: list[ReplicaProcess]) -> None:
-    deadline = time.monotonic() + 20
-    while sum(_metric(r, "vllm:num_requests_running") for r in replicas) != 0:
-        assert time.monotonic() < deadline, "the replica kept generating after the client left"
-        time.sleep(0.05)
+def _wait_until_idle(replicas: list[Service]) -> None:
+    wait_until(
+        lambda: sum(_metric(r, "vllm:num_requests_running") for r in replicas) == 0,
+        "the replica to stop generating after the client left",
+        timeout=20,
+    )
 
 
 def test_a_client_leaving_mid_stream_aborts_the_replica_request(stack: Stack) -> None:
@@ -165,7 +162,7 @@ def test_a_client_leaving_mid_stream_aborts_the_replica_request(stack: Stack) ->
 
 def _aborted(stack: Stack) -> float:
     """Requests the stack's replicas ended as aborted."""
-    return sum(_metric(r, "vllm:request_success_total", 'finished_reason="abort"') for r in stack.replicas)
+    return sum(_metric(r, "vllm:request_success_total", finished_reason="abort") for r in stack.replicas)
 
 
 def test_a_client_leaving_before_a_whole_reply_aborts_the_replica_request(stack: Stack) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +13,11 @@ from gateway.proxy.relay import SSERelay, UpstreamUnavailable, cached_tokens, fo
 from gateway.proxy.upstream import UpstreamPool
 from kvroute.openai_api.schema import ChatCompletionRequest, parse_request
 from launcher.local_redis import free_port
+from tests.helpers.metrics import sample_value, scrape
 from tests.helpers.processes import ReplicaProcess
+from tests.helpers.waiting import wait_until_async
+
+pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
 
 CHAT = {
     "messages": [{"role": "user", "content": "Say something about prefix caches. " * 6}],
@@ -57,27 +60,24 @@ async def relay_events(replica: ReplicaProcess, payload: dict[str, object]) -> t
     return events, relay
 
 
-def test_dead_candidates_are_skipped_before_any_byte(replica: ReplicaProcess, llama_dir: Path) -> None:
+async def test_dead_candidates_are_skipped_before_any_byte(replica: ReplicaProcess, llama_dir: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
 
-    async def scenario() -> None:
-        pool = UpstreamPool(read_timeout=60)
-        payload = json.dumps(body(llama_dir)).encode()
-        upstream = await open_upstream(pool, [dead, replica.url], "/v1/chat/completions", payload, whole=True)
-        assert upstream.url == replica.url and [url for url, _ in upstream.failures] == [dead]
-        reply = json.loads(await upstream.response.read())
-        assert cached_tokens(reply["usage"]) == 0
-        with pytest.raises(UpstreamUnavailable, match=r"cannot connect to 127\.0\.0\.1"):
-            await open_upstream(pool, [dead], "/v1/chat/completions", b"{}")
-        await pool.aclose()
-
-    asyncio.run(scenario())
+    pool = UpstreamPool(read_timeout=60)
+    payload = json.dumps(body(llama_dir)).encode()
+    upstream = await open_upstream(pool, [dead, replica.url], "/v1/chat/completions", payload, whole=True)
+    assert upstream.url == replica.url and [url for url, _ in upstream.failures] == [dead]
+    reply = json.loads(await upstream.response.read())
+    assert cached_tokens(reply["usage"]) == 0
+    with pytest.raises(UpstreamUnavailable, match=r"cannot connect to 127\.0\.0\.1"):
+        await open_upstream(pool, [dead], "/v1/chat/completions", b"{}")
+    await pool.aclose()
 
 
-def test_usage_the_client_did_not_ask_for_is_recorded_then_taken_out(
+async def test_usage_the_client_did_not_ask_for_is_recorded_then_taken_out(
     replica: ReplicaProcess, llama_dir: Path
 ) -> None:
-    events, relay = asyncio.run(relay_events(replica, body(llama_dir, stream=True)))
+    events, relay = await relay_events(replica, body(llama_dir, stream=True))
     assert events[-1] == b"data: [DONE]\n\n"
     chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
     assert all(chunk["choices"] for chunk in chunks), "the usage-only chunk must not reach the client"
@@ -88,32 +88,28 @@ def test_usage_the_client_did_not_ask_for_is_recorded_then_taken_out(
     assert streamed == direct["choices"][0]["message"]["content"]
 
 
-def test_usage_the_client_asked_for_is_forwarded(replica: ReplicaProcess, llama_dir: Path) -> None:
-    events, relay = asyncio.run(
-        relay_events(replica, body(llama_dir, stream=True, stream_options={"include_usage": True}))
+async def test_usage_the_client_asked_for_is_forwarded(replica: ReplicaProcess, llama_dir: Path) -> None:
+    events, relay = await relay_events(
+        replica, body(llama_dir, stream=True, stream_options={"include_usage": True})
     )
     last_chunk = json.loads(events[-2][len(b"data: ") :])
     assert last_chunk["choices"] == [] and last_chunk["usage"] == relay.usage
 
 
-def test_closing_the_relay_aborts_the_replica_request(replica: ReplicaProcess, llama_dir: Path) -> None:
-    async def scenario() -> None:
-        payload, _ = forwarded(body(llama_dir, stream=True, max_tokens=400))
-        pool = UpstreamPool(read_timeout=60)
-        upstream = await open_upstream(pool, [replica.url], "/v1/chat/completions", payload)
-        relay = SSERelay(upstream.response, forward_usage=False)
-        events = aiter(relay)
-        await anext(events)
-        await events.aclose()  # what the gateway does when its client goes away
+async def test_closing_the_relay_aborts_the_replica_request(replica: ReplicaProcess, llama_dir: Path) -> None:
+    payload, _ = forwarded(body(llama_dir, stream=True, max_tokens=400))
+    pool = UpstreamPool(read_timeout=60)
+    upstream = await open_upstream(pool, [replica.url], "/v1/chat/completions", payload)
+    relay = SSERelay(upstream.response, forward_usage=False)
+    events = aiter(relay)
+    await anext(events)
+    await events.aclose()  # what the gateway does when its client goes away
 
-    asyncio.run(scenario())
-    for _ in range(100):
-        metrics = httpx.get(f"{replica.url}/metrics", timeout=10).text
-        running = [ln for ln in metrics.splitlines() if ln.startswith("vllm:num_requests_running")]
-        if running and float(running[0].split()[-1]) == 0:
-            return
-        asyncio.run(asyncio.sleep(0.05))
-    pytest.fail("the replica kept generating after the relay was closed")
+    await wait_until_async(
+        lambda: sample_value(scrape(replica.url), "vllm:num_requests_running") == 0,
+        "the replica to stop generating once the relay was closed",
+        timeout=10,
+    )
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,11 @@ MESSAGES = [
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackProcesses]:
     workdir = tmp_path_factory.mktemp("queue-cap")
     with running_stack(
-        llama_dir, workdir, 2, ("--max-num-seqs", "1"), "--max-queue", "1", "--poll-interval", "0.1"
+        llama_dir,
+        workdir,
+        2,
+        replica_args=("--max-num-seqs", "1"),
+        gateway_args=("--max-queue", "1", "--poll-interval", "0.1"),
     ) as processes:
         yield processes
 

@@ -18,24 +18,20 @@ from kvroute.protocol import Keys
 from launcher.local_redis import free_port
 from tests.helpers.processes import KvrouteProcess, running_stack
 from tests.helpers.processes import StackProcesses as Stack
+from tests.helpers.waiting import wait_until
 
 
 def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=5).json()
 
 
-def _wait_for(what: str, check, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-
-
 @pytest.fixture(scope="module")
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("gateway-resilience")
     gateway_args = ("--eject-after", "2", "--probe-interval", "0.5")
-    with running_stack(llama_dir, workdir, 2, ("--heartbeat-ttl", "10"), *gateway_args) as processes:
+    with running_stack(
+        llama_dir, workdir, 2, replica_args=("--heartbeat-ttl", "10"), gateway_args=gateway_args
+    ) as processes:
         yield processes
 
 
@@ -53,7 +49,7 @@ LONG = "A long shared preamble that fills several blocks of the cache. " * 6
 
 def test_redis_outage_keeps_serving_and_resyncs(stack: Stack) -> None:
     stack.redis.stop()
-    _wait_for("the mirror to notice", lambda: _health(stack.gateway.url)["redis"] == "stale")
+    wait_until(lambda: _health(stack.gateway.url)["redis"] == "stale", "the mirror to notice", timeout=20)
     for i in range(4):
         response = _chat(stack.gateway.url, stack.model, f"{LONG} Outage question {i}.")
         assert response.status_code == 200, response.text
@@ -67,7 +63,7 @@ def test_redis_outage_keeps_serving_and_resyncs(stack: Stack) -> None:
         seen.append(health["replicas"])
         return health["redis"] == "ok" and health["replicas"] == 2
 
-    _wait_for("the index to re-sync", resynced)
+    wait_until(resynced, "the index to re-sync", timeout=20)
     assert min(seen) == 2, f"replicas known while Redis came back empty: {seen}"
     prompt = f"{LONG} After the outage."
     first = _chat(stack.gateway.url, stack.model, prompt)
@@ -83,7 +79,7 @@ def test_gateway_without_redis_from_replica_urls(stack: Stack) -> None:
     urls = [arg for r in stack.replicas for arg in ("--replica", r.url)]
     gateway = KvrouteProcess("gateway", stack.workdir / "gateway-static.log", *urls)  # policy kv: falls back
     try:
-        _wait_for("the static replicas", lambda: _health(gateway.url)["replicas"] == 2)
+        wait_until(lambda: _health(gateway.url)["replicas"] == 2, "the static replicas", timeout=20)
         assert _health(gateway.url)["redis"] == "none"
         models = httpx.get(f"{gateway.url}/v1/models", timeout=5).json()
         assert [m["id"] for m in models["data"]] == [stack.model]
@@ -114,16 +110,22 @@ def test_a_drain_through_one_gateway_reaches_every_gateway(stack: Stack) -> None
     drained, kept = (f"127.0.0.1:{r.port}" for r in stack.replicas)
     try:
         for gateway in (first, second):
-            _wait_for("the gateway's replicas", lambda g=gateway: _health(g.url)["replicas"] == 2)
+            wait_until(
+                lambda g=gateway: _health(g.url)["replicas"] == 2, "the gateway's replicas", timeout=20
+            )
         reply = httpx.post(f"{first.url}/admin/replicas/{drained}/drain", headers=ADMIN, timeout=10)
         assert reply.json() == {"id": drained, "drained": True, "shared": True}
-        _wait_for("the drain to reach the second gateway", lambda: _drained_on(second.url, drained), 5)
+        wait_until(
+            lambda: _drained_on(second.url, drained), "the drain to reach the second gateway", timeout=5
+        )
         for i in range(4):
             response = _chat(second.url, stack.model, f"Drained question {i}.")
             assert response.status_code == 200 and response.headers["x-kvroute-replica"] == kept
         put_back = httpx.delete(f"{second.url}/admin/replicas/{drained}/drain", headers=ADMIN, timeout=10)
         assert put_back.json() == {"id": drained, "drained": False, "shared": True}
-        _wait_for("the put-back to reach the first gateway", lambda: not _drained_on(first.url, drained), 5)
+        wait_until(
+            lambda: not _drained_on(first.url, drained), "the put-back to reach the first gateway", timeout=5
+        )
     finally:
         stack.redis.client().delete(Keys().drained)
         first.terminate()
@@ -155,7 +157,7 @@ def test_admin_lists_and_drains_static_replicas(stack: Stack) -> None:
         return httpx.request(method, url, headers=admin, timeout=5)
 
     try:
-        _wait_for("the static replicas", lambda: _health(gateway.url)["replicas"] == 2)
+        wait_until(lambda: _health(gateway.url)["replicas"] == 2, "the static replicas", timeout=20)
         for i in range(4):
             assert _chat(gateway.url, stack.model, f"Admin question {i % 2}.").status_code == 200
         listed = rows()

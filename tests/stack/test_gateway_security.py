@@ -3,7 +3,6 @@ requires a shared key, and a gateway holding that key with data and admin keys o
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -16,8 +15,8 @@ from openai import OpenAI
 
 from gateway.auth import ADMIN, DATA, GatewayAuth
 from kvroute.auth import bearer_token, key_matches, parse_keys
-from launcher.local_redis import RedisServer
-from tests.helpers.processes import KvrouteProcess, ReplicaProcess
+from tests.helpers.metrics import sample_value, scrape
+from tests.helpers.processes import Service, running_stack
 
 DATA_KEY = "sk-data-123"
 OTHER_DATA_KEY = "sk-data-456"
@@ -29,8 +28,8 @@ CHAT = {"messages": [{"role": "user", "content": "Is this request allowed throug
 @dataclass
 class Stack:
     model: str
-    gateway: KvrouteProcess
-    replica: ReplicaProcess
+    gateway: Service
+    replica: Service
 
     @property
     def replica_id(self) -> str:
@@ -47,40 +46,22 @@ class Stack:
 
     def replica_requests(self) -> float:
         """Requests the replica finished (``vllm:request_success_total``, every finish reason)."""
-        text = httpx.get(f"{self.replica.url}/metrics", timeout=5).text
-        return sum(float(v) for v in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", text, re.M))
+        return sample_value(scrape(self.replica.url), "vllm:request_success_total", default=0.0)
 
 
 @pytest.fixture(scope="module")
 def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    workdir = tmp_path_factory.mktemp("security-stack")
-    redis = RedisServer(workdir)
-    redis.start()
-    replica = gateway = None
-    try:
-        replica = ReplicaProcess(
-            llama_dir,
-            workdir / "replica.log",
-            "--dtype", "float32", "--kv-cache-tokens", "4096", "--redis", redis.url,
-            "--heartbeat-interval", "0.2", "--api-key", REPLICA_KEY,
-        )  # fmt: skip
-        gateway = KvrouteProcess(
-            "gateway",
-            workdir / "gateway.log",
-            "--redis", redis.url, "--api-key", DATA_KEY, "--api-key", OTHER_DATA_KEY,
+    with running_stack(
+        llama_dir,
+        tmp_path_factory.mktemp("security-stack"),
+        1,
+        replica_args=("--kv-cache-tokens", "4096", "--api-key", REPLICA_KEY),
+        gateway_args=(
+            "--api-key", DATA_KEY, "--api-key", OTHER_DATA_KEY,
             "--admin-key", ADMIN_KEY, "--replica-key", REPLICA_KEY,
-        )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while httpx.get(f"{gateway.url}/health", timeout=5).json()["replicas"] < 1:
-            assert time.monotonic() < deadline, "the gateway never saw the replica"
-            time.sleep(0.1)
-        yield Stack(llama_dir.name, gateway, replica)
-    finally:
-        if gateway is not None:
-            gateway.terminate()
-        if replica is not None:
-            replica.terminate()
-        redis.stop()
+        ),
+    ) as processes:  # fmt: skip
+        yield Stack(processes.model, processes.gateway, processes.replicas[0])
 
 
 def test_health_and_metrics_are_open(stack: Stack) -> None:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from openai import OpenAI
 
 from gateway.index.mirror import IndexMirror
@@ -22,6 +21,9 @@ from kvroute.protocol import block_hashes, model_seed
 from kvroute.text.tokenizer import TextTokenizer
 from launcher.local_redis import RedisServer
 from tests.helpers.processes import ReplicaProcess
+from tests.helpers.waiting import wait_until_async
+
+pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
 
 SYSTEM = "You are a careful assistant. " * 12
 CHAT = {
@@ -47,14 +49,7 @@ def gateway_side_hashes(model_dir: Path, model: str) -> tuple[list[int], list[in
     return ids, block_hashes(ids, 16, model_seed(model, tokenizer.fingerprint))
 
 
-async def eventually(condition: Callable[[], bool], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
-
-
-def test_mirror_tracks_what_a_replica_caches(
+async def test_mirror_tracks_what_a_replica_caches(
     redis_server: RedisServer, llama_dir: Path, tmp_path: Path
 ) -> None:
     model = llama_dir.name
@@ -68,16 +63,22 @@ def test_mirror_tracks_what_a_replica_caches(
     assert len(hashes) >= 8, "the prompt should span several blocks"
     client = OpenAI(base_url=f"{replica.url}/v1", api_key="x", max_retries=0)
 
-    async def scenario() -> None:
+    try:
         mirror = IndexMirror(redis_server.url, poll_interval=0.1)
         await mirror.start()
         try:
-            await eventually(lambda: [r.replica_id for r in mirror.replicas(model)] == [replica_id])
+            await wait_until_async(
+                lambda: [r.replica_id for r in mirror.replicas(model)] == [replica_id],
+                "the replica in the mirror",
+            )
             assert mirror.lookup(model, hashes) == {replica_id: 0}
 
             reply = await asyncio.to_thread(client.chat.completions.create, model=model, **CHAT)
             assert reply.usage.prompt_tokens == len(prompt_ids)  # same tokenization on both sides
-            await eventually(lambda: mirror.lookup(model, hashes) == {replica_id: len(hashes)})
+            await wait_until_async(
+                lambda: mirror.lookup(model, hashes) == {replica_id: len(hashes)},
+                "the prompt's blocks in the mirror",
+            )
 
             again = await asyncio.to_thread(client.chat.completions.create, model=model, **CHAT)
             cached = again.usage.prompt_tokens_details.cached_tokens
@@ -85,11 +86,10 @@ def test_mirror_tracks_what_a_replica_caches(
 
             evicted = httpx.post(f"{replica.url}/reset_prefix_cache", timeout=10).json()["evicted_pages"]
             assert evicted >= len(hashes)
-            await eventually(lambda: mirror.lookup(model, hashes) == {replica_id: 0})
+            await wait_until_async(
+                lambda: mirror.lookup(model, hashes) == {replica_id: 0}, "the reset to reach the mirror"
+            )
         finally:
             await mirror.stop()
-
-    try:
-        asyncio.run(scenario())
     finally:
         replica.terminate()

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,6 @@ import httpx
 import openai
 import pytest
 from openai import OpenAI
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvroute.text.tokenizer import TextTokenizer
 from replica.engine.async_engine import EngineDeadError
@@ -26,7 +24,11 @@ from replica.engine.llm_engine import EngineStats
 from replica.engine.outputs import ChoiceDelta, RequestOutput
 from replica.server.app import build_app
 from replica.server.metrics import ReplicaMetrics
+from tests.helpers.metrics import engine_requests, sample_value, scrape
 from tests.helpers.processes import ReplicaProcess
+from tests.helpers.waiting import wait_until
+
+pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
 
 MODEL = "tiny-llama"
 MAX_MODEL_LEN = 1024
@@ -56,20 +58,12 @@ def http(base_url: str) -> Iterator[httpx.Client]:
         yield session
 
 
-def _metric(http: httpx.Client, name: str, **labels: str) -> float:
-    """The value of the sample ``name`` whose labels include ``labels``."""
-    for family in text_string_to_metric_families(http.get("/metrics").text):
-        for sample in family.samples:
-            if sample.name == name and labels.items() <= sample.labels.items():
-                return sample.value
-    raise AssertionError(f"{name} {labels} not in /metrics")
+def _aborted(http: httpx.Client) -> float:
+    return sample_value(scrape(http), "vllm:request_success_total", finished_reason="abort")
 
 
-def _wait_idle(http: httpx.Client, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while _metric(http, "vllm:num_requests_running") + _metric(http, "vllm:num_requests_waiting") > 0:
-        assert time.monotonic() < deadline, "requests still running"
-        time.sleep(0.05)
+def _wait_idle(http: httpx.Client) -> None:
+    wait_until(lambda: engine_requests(http) == 0, "the replica's requests to finish", timeout=10)
 
 
 def _assert_openai_error(response: httpx.Response, status: int, param: str | None = None) -> dict[str, Any]:
@@ -442,18 +436,20 @@ VLLM_METRICS = [
 
 def test_metrics_use_vllm_names(client: OpenAI, http: httpx.Client) -> None:
     client.completions.create(model=MODEL, prompt="metrics", max_tokens=3, extra_body=LONG)
-    text = http.get("/metrics").text
+    text = scrape(http)
     for name in VLLM_METRICS:
         assert re.search(rf'^{re.escape(name)}\{{.*model_name="{MODEL}".*\}} ', text, re.MULTILINE), name
-    assert _metric(http, "vllm:generation_tokens_total") >= 3
-    assert _metric(http, "vllm:prefix_cache_queries_total") >= _metric(http, "vllm:prefix_cache_hits_total")
+    assert sample_value(text, "vllm:generation_tokens_total") >= 3
+    assert sample_value(text, "vllm:prefix_cache_queries_total") >= sample_value(
+        text, "vllm:prefix_cache_hits_total"
+    )
     assert re.search(r'^vllm:request_success_total\{.*finished_reason="length".*\} [1-9]', text, re.MULTILINE)
 
 
 def test_disconnect_mid_stream_aborts(base_url: str, http: httpx.Client) -> None:
     _wait_idle(http)
     body = {**CHAT, "max_tokens": MAX_MODEL_LEN - 100, "stream": True, **LONG}
-    aborted_before = _metric(http, "vllm:request_success_total", finished_reason="abort")
+    aborted_before = _aborted(http)
     with (
         httpx.Client(base_url=base_url, timeout=30) as session,
         session.stream("POST", "/v1/chat/completions", json=body) as response,
@@ -461,19 +457,19 @@ def test_disconnect_mid_stream_aborts(base_url: str, http: httpx.Client) -> None
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
         assert next(line for line in lines if '"content"' in line and '"role"' not in line)
-        assert _metric(http, "vllm:num_requests_running") == 1
+        assert sample_value(scrape(http), "vllm:num_requests_running") == 1
     _wait_idle(http)
-    assert _metric(http, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+    assert _aborted(http) == aborted_before + 1
 
 
 def test_disconnect_while_waiting_for_a_whole_reply_aborts(base_url: str, http: httpx.Client) -> None:
     _wait_idle(http)
     body = {**CHAT, "max_tokens": MAX_MODEL_LEN - 100, **LONG}
-    aborted_before = _metric(http, "vllm:request_success_total", finished_reason="abort")
+    aborted_before = _aborted(http)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=httpx.Timeout(30, read=0.15))
     _wait_idle(http)
-    assert _metric(http, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1
+    assert _aborted(http) == aborted_before + 1
 
 
 # --- engine failures (in process, with an engine that fails on cue) ------------------------------
@@ -525,24 +521,21 @@ def _in_process(engine: _FailingEngine) -> httpx.AsyncClient:
         (EngineDeadError("the engine is not running"), 503, "service_unavailable"),
     ],
 )
-def test_engine_failure_is_a_clean_error(
+async def test_engine_failure_is_a_clean_error(
     tokenizer: TextTokenizer, error: Exception, status: int, kind: str
 ) -> None:
-    async def scenario() -> None:
-        async with _in_process(_FailingEngine(tokenizer, error)) as session:
-            response = await session.post("/v1/chat/completions", json=CHAT)
-            assert _assert_openai_error(response, status)["type"] == kind
-            body = {"model": MODEL, "prompt": "x", "stream": True}
-            streamed = await session.post("/v1/completions", json=body)
-            assert streamed.status_code == 200
-            first, error_event, done = _sse_payloads(streamed.text)
-            assert json.loads(first)["choices"][0]["text"] == "a"
-            assert json.loads(error_event)["error"]["type"] == kind and done == "[DONE]"
-
-    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    async with asyncio.timeout(30), _in_process(_FailingEngine(tokenizer, error)) as session:
+        response = await session.post("/v1/chat/completions", json=CHAT)
+        assert _assert_openai_error(response, status)["type"] == kind
+        body = {"model": MODEL, "prompt": "x", "stream": True}
+        streamed = await session.post("/v1/completions", json=body)
+        assert streamed.status_code == 200
+        first, error_event, done = _sse_payloads(streamed.text)
+        assert json.loads(first)["choices"][0]["text"] == "a"
+        assert json.loads(error_event)["error"]["type"] == kind and done == "[DONE]"
 
 
-def test_cached_prompt_ids_equal_a_fresh_encoding(tokenizer: TextTokenizer) -> None:
+async def test_cached_prompt_ids_equal_a_fresh_encoding(tokenizer: TextTokenizer) -> None:
     """Repeated and multi-turn prompts come from the prompt cache (whole, or the history's ids plus
     the new turn's); the engine must get exactly the ids a fresh encoding gives."""
     engine = _FailingEngine(tokenizer, EngineDeadError("stop after the first token"))
@@ -555,30 +548,24 @@ def test_cached_prompt_ids_equal_a_fresh_encoding(tokenizer: TextTokenizer) -> N
     turns += [list(history), list(history)]  # the next turn, then the same again verbatim
     text = "Once upon a time " * 30
 
-    async def scenario() -> None:
-        async with _in_process(engine) as session:
-            for messages in turns:
-                await session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
-            for _ in range(2):
-                await session.post("/v1/completions", json={"model": MODEL, "prompt": text})
-
-    asyncio.run(asyncio.wait_for(scenario(), timeout=30))
+    async with asyncio.timeout(30), _in_process(engine) as session:
+        for messages in turns:
+            await session.post("/v1/chat/completions", json={"model": MODEL, "messages": messages})
+        for _ in range(2):
+            await session.post("/v1/completions", json={"model": MODEL, "prompt": text})
     expected = [tokenizer.encode_chat(messages) for messages in turns] + [tokenizer.encode(text)] * 2
     assert engine.prompts == expected
 
 
-def test_unexpected_exception_is_a_logged_500(
+async def test_unexpected_exception_is_a_logged_500(
     tokenizer: TextTokenizer, caplog: pytest.LogCaptureFixture
 ) -> None:
     engine = _FailingEngine(tokenizer, RuntimeError())
     engine.stats = lambda: 1 / 0  # type: ignore[method-assign, assignment, return-value]
     engine.is_running = False
 
-    async def scenario() -> tuple[httpx.Response, httpx.Response]:
-        async with _in_process(engine) as session:
-            return await session.get("/metrics"), await session.get("/health")
-
-    metrics, health = asyncio.run(scenario())
+    async with _in_process(engine) as session:
+        metrics, health = await session.get("/metrics"), await session.get("/health")
     assert _assert_openai_error(metrics, 500)["type"] == "server_error"
     assert any(record.exc_info and record.exc_info[0] is ZeroDivisionError for record in caplog.records)
     assert _assert_openai_error(health, 503)["type"] == "service_unavailable"

@@ -29,6 +29,7 @@ from launcher.cli import main
 from launcher.local_redis import RedisServer
 from replica.sim.runner import COEFFICIENTS, SimProfile, StepShape
 from tests.helpers.processes import ReplicaProcess
+from tests.helpers.waiting import wait_until
 
 PROFILE = {
     "name": "slow-http-test",
@@ -166,13 +167,12 @@ def test_redis_sees_the_cache_as_from_a_torch_replica(sim: SimStack) -> None:
     sim.complete(prompt, 1)
     expected = block_hashes(prompt, BLOCK, sim.seed)
     keys = Keys()
-    deadline = time.monotonic() + 10
-    while True:
-        held = {int.from_bytes(m, "little") for m in sim.redis.smembers(keys.blocks(sim.replica_id))}
-        if set(expected) <= held or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert set(expected) <= held
+
+    def held() -> set[int]:
+        return {int.from_bytes(m, "little") for m in sim.redis.smembers(keys.blocks(sim.replica_id))}
+
+    wait_until(lambda: set(expected) <= held(), "the prompt's blocks in Redis", timeout=10)
+    assert set(expected) <= held()
     events = [decode_event(fields) for _, fields in sim.redis.xrange(keys.events(sim.model))]
     ours = [e for e in events if e.replica_id == sim.replica_id]
     stored = {h for e in ours if e.kind is EventKind.STORED for h in e.hashes}

@@ -18,6 +18,7 @@ from openai import OpenAI
 
 from launcher.local_redis import free_port
 from tests.helpers.chat_turns import converse, lost_turns
+from tests.helpers.waiting import wait_until
 
 
 def children_of(pid: int) -> set[int]:
@@ -73,10 +74,11 @@ def stop_and_check_children(stack: subprocess.Popen[str], children: set[int], ho
     """Sends ``how`` to the supervisor; every child must be gone within 5 s of it exiting."""
     stack.send_signal(how)
     stack.wait(timeout=90)
-    deadline = time.monotonic() + 5
-    while any(alive(pid) for pid in children) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not [pid for pid in children if alive(pid)], f"children outlived the stack after {how.name}"
+    wait_until(
+        lambda: not [pid for pid in children if alive(pid)],
+        f"every child to exit after {how.name} (none may outlive the stack)",
+        timeout=5,
+    )
 
 
 def test_up_serves_and_stops_cleanly(llama_dir: Path) -> None:

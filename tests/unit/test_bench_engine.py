@@ -36,6 +36,8 @@ def run(args: list[str], out: Path, capsys: pytest.CaptureFixture[str]) -> tuple
     return json.loads(out.read_text()), capsys.readouterr().out
 
 
+# slow: the transformers side of the benchmark; the pipeline itself runs below without it
+@pytest.mark.slow
 def test_quick_run_against_transformers(
     llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
