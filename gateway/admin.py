@@ -41,7 +41,7 @@ from gateway.index.drains import SharedDrains
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import Pipeline
 from gateway.routing import Router
-from kvroute.http import openai_errors, read_body
+from kvroute.http import RequestLimits, openai_errors, read_body
 from kvroute.openai_api.errors import APIError
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -63,7 +63,7 @@ class AdminAPI:
     index: BlockIndex
     _: KW_ONLY
     drains: SharedDrains | None
-    max_body_bytes: int
+    request_limits: RequestLimits
 
     def routes(self) -> list[Route]:
         endpoints = [
@@ -171,7 +171,7 @@ class AdminAPI:
 
     async def route(self, request: Request) -> Response:
         """The decision the request path would take for this body, without sending anything."""
-        raw = await read_body(request, self.max_body_bytes)
+        raw = await read_body(request, self.request_limits)
         try:
             parsed = json.loads(raw)
             is_chat = isinstance(parsed, dict) and "messages" in parsed

@@ -37,6 +37,7 @@ from gateway.routing import Router
 from gateway.settings import GatewaySettings
 from gateway.tokenizer_registry import TokenizerRegistry
 from kvroute.http import FastPosts, http_error, openai_errors
+from kvroute.http_server import DEFAULT_LIMITS, ServerLimits, server_config
 from kvroute.protocol import GATEWAY_ID_HEADER
 
 log = logging.getLogger("kvroute.gateway")
@@ -78,7 +79,8 @@ class Gateway:
             self.tokenizers,
             self.upstream,
             self.metrics,
-            max_body_bytes=settings.max_body_bytes,
+            request_limits=settings.request_limits,
+            ttfb_timeout_s=settings.ttfb_timeout_s,
         )
         self.admin = AdminAPI(
             self.fleet,
@@ -87,7 +89,7 @@ class Gateway:
             self.metrics,
             self.mirror.index,
             drains=self.mirror.drains if settings.redis_url is not None else None,
-            max_body_bytes=settings.max_body_bytes,
+            request_limits=settings.request_limits,
         )
 
     def routes(self) -> list[Route]:
@@ -149,7 +151,13 @@ def build_app(settings: GatewaySettings) -> ASGIApp:
     )
 
 
-def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str = "info") -> None:
+def run_gateway(
+    settings: GatewaySettings,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    limits: ServerLimits = DEFAULT_LIMITS,
+) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())
     app = build_app(settings)
@@ -160,4 +168,4 @@ def run_gateway(settings: GatewaySettings, host: str, port: int, log_level: str 
         settings.policy,
         settings.redis_url,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level.lower(), loop="uvloop", http="httptools")
+    uvicorn.Server(server_config(app, host, port, log_level, limits, loop="uvloop")).run()

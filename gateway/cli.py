@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from gateway.settings import GatewaySettings
+from kvroute.http_server import ServerLimits
 from kvroute.settings import HOST_HELP, LOG_LEVEL_HELP, add_command, add_options, examples, from_args, option
 
 
@@ -37,6 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         ),
     )
     add_options(parser, GatewayServer)
+    add_options(parser, ServerLimits)
     add_options(parser, GatewaySettings)
     parser.set_defaults(run=run)
     return parser
@@ -49,4 +51,4 @@ def run(args: argparse.Namespace) -> None:
     from gateway.app import run_gateway
 
     server: GatewayServer = from_args(GatewayServer, args)
-    run_gateway(settings, server.host, server.port, server.log_level)
+    run_gateway(settings, server.host, server.port, server.log_level, from_args(ServerLimits, args))

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import KW_ONLY, dataclass
 
@@ -35,9 +36,10 @@ from gateway.proxy.relay import SSERelay, UpstreamUnavailable, forwarded_body, o
 from gateway.proxy.upstream import UpstreamPool
 from gateway.routing import RoutePlan, Router
 from gateway.tokenizer_registry import TokenizerError, TokenizerRegistry
-from kvroute.http import read_body, unless_client_leaves
-from kvroute.openai_api.errors import APIError, internal_error, model_not_found
+from kvroute.http import RequestLimits, read_body, unless_client_leaves
+from kvroute.openai_api.errors import APIError, echo, internal_error, model_not_found
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
+from kvroute.text.bounds import refuse_surely_too_long
 from kvroute.text.prompt_ids import PromptIds
 
 log = logging.getLogger("kvroute.gateway")
@@ -59,6 +61,7 @@ class _Dispatched:
     metrics: ModelMetrics
     started: float  # time.monotonic() when the request came in
     forward_usage: bool  # the client asked for the usage event of a stream
+    abandon: Callable[[str], None]  # watched by the fleet until the request is over
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [
@@ -77,14 +80,15 @@ class Pipeline:
     upstream: UpstreamPool
     metrics: GatewayMetrics
     _: KW_ONLY
-    max_body_bytes: int
+    request_limits: RequestLimits
+    ttfb_timeout_s: float  # a stream's first bytes from a replica, at most
 
     async def serve(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The ASGI app of both endpoints: each step of the request path, and the error replies."""
         request = Request(scope, receive)
         try:
             started = time.monotonic()
-            raw = await read_body(request, self.max_body_bytes)
+            raw = await read_body(request, self.request_limits)
             body = parse_request(GENERATION_PATHS[scope["path"]], raw)
             plan, prompt = await self.decide(request, body)
             self.metrics.routing.observe(time.monotonic() - started)
@@ -117,6 +121,13 @@ class Pipeline:
         the one a real request would get.
         """
         roster = self.fleet.routable(body.model)
+        if roster is None and self.fleet.listed_lately(body.model):
+            raise APIError(
+                f"No replica of `{echo(body.model)}` is available right now; retry shortly.",
+                503,
+                code="service_unavailable",
+                headers={"retry-after": "1"},
+            )
         if roster is None:
             raise model_not_found(body.model)
         if roster.mismatched:
@@ -127,8 +138,10 @@ class Pipeline:
                 tokenizer = await self.tokenizers.get(body.model, roster.fingerprint, roster.tokenizer_urls())
             except TokenizerError as error:
                 raise APIError(
-                    f"Cannot tokenize for {body.model}: {error}", 503, code="tokenizer_unavailable"
+                    f"Cannot tokenize for {echo(body.model)}: {error}", 503, code="tokenizer_unavailable"
                 ) from None
+        window = self.tokenizers.window(body.model, roster.fingerprint)
+        refuse_surely_too_long(body, tokenizer, window, self.request_limits.max_prompt_chars)
         try:
             if isinstance(body, ChatCompletionRequest):
                 prompt = await self.tokenizers.encode_chat(tokenizer, *body.template_inputs())
@@ -178,27 +191,41 @@ class Pipeline:
         # burst of requests with one new prefix) must see its load and its predicted blocks.
         replica = plan.ordered[0]
         ticket = self.router.commit(plan, replica, prompt_tokens, body.num_sequences)
+        by_url = {r.url: r for r in plan.ordered}
+        watched: list[tuple[Replica, Callable[[str], None]]] = []
+
+        def watch(url: str, response: UpstreamResponse) -> None:
+            self.fleet.watch(by_url[url], response.abandon)
+            watched.append((by_url[url], response.abandon))
+
         try:
-            urls = [r.url for r in plan.ordered]
             opening = open_upstream(
-                self.upstream, urls, request.scope["path"], forward, whole=not body.stream
+                self.upstream,
+                list(by_url),
+                request.scope["path"],
+                forward,
+                whole=not body.stream,
+                first_data_within=self.ttfb_timeout_s if body.stream else None,
+                on_response=watch,
             )
-            # A whole reply can take minutes: a client that leaves meanwhile cancels it, which
-            # closes the replica connection, so the replica aborts the request (a stream's client
-            # is watched the same way in _relay_stream).
-            if body.stream:
-                upstream = await opening
-            elif (upstream := await unless_client_leaves(request.receive, opening)) is None:
+            # A whole reply (or a stream's first bytes) can take minutes: a client that leaves
+            # meanwhile cancels it, which closes the replica connection, so the replica aborts the
+            # request (a stream's client is watched the same way in _relay_stream).
+            if (upstream := await unless_client_leaves(request.receive, opening)) is None:
                 raise ClientDisconnect()
         except UpstreamUnavailable as error:
             self.fleet.done(ticket)
+            self._unwatch(watched)
             self.fleet.report_failures(plan.ordered, error.failures)
             raise APIError(
                 f"No replica could take the request: {error}", 503, code="service_unavailable"
             ) from None
         except BaseException:  # cancelled: the request is no longer in flight
             self.fleet.done(ticket)
+            self._unwatch(watched)
             raise
+        abandon = upstream.response.abandon
+        self._unwatch([(r, a) for r, a in watched if a != abandon])
         self.fleet.report_failures(plan.ordered, upstream.failures)
         if upstream.url != replica.url:  # retried elsewhere: move the count and the prediction
             self.fleet.done(ticket)
@@ -215,7 +242,18 @@ class Pipeline:
             predicted=predicted,
             retries=len(upstream.failures),
         )
-        return _Dispatched(replica, ticket, response, predicted, metrics, started, client_wants_usage)
+        return _Dispatched(
+            replica, ticket, response, predicted, metrics, started, client_wants_usage, abandon
+        )
+
+    def _unwatch(self, watched: list[tuple[Replica, Callable[[str], None]]]) -> None:
+        for replica, abandon in watched:
+            self.fleet.unwatch(replica, abandon)
+
+    def _over(self, sent: _Dispatched) -> None:
+        """The request is no longer in flight at its replica."""
+        self.fleet.done(sent.ticket)
+        self.fleet.unwatch(sent.replica, sent.abandon)
 
     async def _relay_whole(self, send: Send, sent: _Dispatched) -> None:
         replica, response = sent.replica, sent.response
@@ -230,7 +268,7 @@ class Pipeline:
             ) from None
         finally:
             response.close()
-            self.fleet.done(sent.ticket)
+            self._over(sent)
         sent.metrics.e2e.observe(time.monotonic() - sent.started)
         if response.status == 200:
             self.fleet.succeeded(replica)
@@ -262,7 +300,7 @@ class Pipeline:
                 try:
                     async for events_read in events:
                         if relay.finished:  # out of flight before the client can send its next turn
-                            self.fleet.done(sent.ticket)
+                            self._over(sent)
                         await send({"type": "http.response.body", "body": events_read, "more_body": True})
                 except UpstreamError as error:
                     broken = str(error)
@@ -284,7 +322,7 @@ class Pipeline:
         finally:
             client_left.cancel()
             response.close()
-            self.fleet.done(sent.ticket)
+            self._over(sent)
             if relay.first_event_at is not None:
                 sent.metrics.ttft.observe(relay.first_event_at - sent.started)
             sent.metrics.e2e.observe(time.monotonic() - sent.started)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S
+from kvroute.http import DEFAULT_BODY_TIMEOUT_S, RequestLimits
 from kvroute.protocol import DEFAULT_PREFIX
 from kvroute.settings import DEFAULT_MAX_BODY_BYTES, option
 
@@ -57,6 +58,17 @@ class GatewaySettings:
     max_body_bytes: int = option(
         DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", "request body limit in bytes; 413 above"
     )
+    body_timeout_s: float = option(
+        DEFAULT_BODY_TIMEOUT_S,
+        "--body-timeout",
+        "seconds a client may take to send a body; 408 after",
+    )
+    max_prompt_chars: int | None = option(
+        None,
+        "--max-prompt-chars",
+        "prompt characters accepted at most, refused with 400 before tokenizing (default: what the"
+        " model's window allows)",
+    )
     api_keys: tuple[str, ...] = option(  # see gateway.auth
         (),
         "--api-key",
@@ -85,5 +97,19 @@ class GatewaySettings:
         env="KVROUTE_REPLICA_KEY",
         group=KEYS,
     )
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = option(
+        600.0,
+        "--upstream-timeout",
+        "seconds the gateway waits for any one read from a replica (a whole answer's, or a stream's"
+        " next bytes) before it gives the request up",
+    )
+    ttfb_timeout_s: float = option(
+        60.0,
+        "--ttfb-timeout",
+        "seconds a stream may wait for its first bytes from a replica; then the next replica gets it",
+    )
     tokenizer_cache_bytes: int = 256 * 1024 * 1024  # token ids cached for repeated and multi-turn chats
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_body_bytes, self.body_timeout_s, self.max_prompt_chars)

@@ -44,7 +44,7 @@ class TokenizerUnavailable(TokenizerError):
     """No replica answered with its tokenizer."""
 
 
-def _build_checked(model: str, fingerprint: str, url: str, body: bytes) -> TextTokenizer:
+def _build_checked(model: str, fingerprint: str, url: str, body: bytes) -> tuple[TextTokenizer, int | None]:
     """Parse a replica's reply and rebuild its tokenizer, refusing any fingerprint but ``fingerprint``.
 
     Runs in a worker thread: tokenizer.json can be megabytes, and parsing it takes a while.
@@ -65,7 +65,8 @@ def _build_checked(model: str, fingerprint: str, url: str, body: bytes) -> TextT
             f"the files {url} serves for {model!r} hash to {tokenizer.fingerprint[:12]}, "
             f"not the fingerprint {fingerprint[:12]} it claims"
         )
-    return tokenizer
+    window = payload.get("max_model_len")
+    return tokenizer, window if isinstance(window, int) and window > 0 else None
 
 
 class TokenizerRegistry(PromptEncoder):
@@ -85,6 +86,7 @@ class TokenizerRegistry(PromptEncoder):
         self._tokenizers: dict[tuple[str, str], TextTokenizer] = {}
         self._local: dict[str, TextTokenizer] = {}
         self._fetches: dict[tuple[str, str], asyncio.Task[TextTokenizer]] = {}
+        self._windows: dict[tuple[str, str], int | None] = {}
 
     # -- tokenizers -------------------------------------------------------------------------------
 
@@ -94,6 +96,11 @@ class TokenizerRegistry(PromptEncoder):
         self._local[model] = tokenizer
         self._tokenizers[(model, tokenizer.fingerprint)] = tokenizer
         return tokenizer
+
+    def window(self, model: str, fingerprint: str) -> int | None:
+        """The model's context window, as the replicas whose tokenizer this is serve it (None:
+        not known, e.g. a local tokenizer)."""
+        return self._windows.get((model, fingerprint))
 
     def cached(self, model: str, fingerprint: str) -> TextTokenizer | None:
         """The tokenizer if already loaded (the hot path's no-await check)."""
@@ -135,13 +142,14 @@ class TokenizerRegistry(PromptEncoder):
             try:
                 response = await self._http.get(url.rstrip("/") + TOKENIZER_PATH)
                 response.raise_for_status()
-                tokenizer = await asyncio.to_thread(_build_checked, model, fingerprint, url, response.content)
+                built = await asyncio.to_thread(_build_checked, model, fingerprint, url, response.content)
             except TokenizerMismatch as error:
                 mismatch = True
                 errors.append(str(error))
             except (httpx.HTTPError, ValueError, KeyError, TypeError) as error:
                 errors.append(f"{url}: {type(error).__name__}: {error}")
             else:
+                tokenizer, self._windows[(model, fingerprint)] = built
                 self._tokenizers[(model, fingerprint)] = tokenizer
                 return tokenizer
             log.warning("tokenizer for %s not taken from %s: %s", model, url, errors[-1])

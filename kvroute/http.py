@@ -6,6 +6,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
 from typing import TypeVar
 
 from starlette.exceptions import HTTPException
@@ -14,6 +15,9 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvroute.openai_api.errors import APIError, internal_error
+from kvroute.settings import DEFAULT_MAX_BODY_BYTES
+
+DEFAULT_BODY_TIMEOUT_S = 30.0
 
 log = logging.getLogger("kvroute.http")
 
@@ -116,20 +120,43 @@ async def http_error(request: Request, exc: Exception) -> Response:
     return APIError(str(exc.detail), exc.status_code).to_response()
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` (never read in full)."""
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a server accepts of one request: body size, the time its body may take to arrive, and
+    (when set) prompt characters, beyond what the model's window allows (``kvroute.text.bounds``)."""
+
+    max_body_bytes: int
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_prompt_chars: int | None = None
+
+
+async def read_body(request: Request, limit: RequestLimits) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit.max_body_bytes`` (never
+    read in full), and with 408 (closing the connection) if it takes longer than its timeout."""
     declared = request.headers.get("content-length")
     if declared is not None and not declared.isdigit():
         raise APIError("Invalid Content-Length header.")
-    if declared is not None and int(declared) > limit:
-        raise _too_large(limit)
+    if declared is not None and int(declared) > limit.max_body_bytes:
+        raise _too_large(limit.max_body_bytes)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(limit.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit.max_body_bytes:
+                    raise _too_large(limit.max_body_bytes)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(
+            f"The request body did not arrive within {limit.body_timeout_s:g} s.",
+            408,
+            code="request_timeout",
+            headers={"connection": "close"},  # the rest of the body may still come: not a next request
+        ) from None
     return b"".join(chunks)
+
+
+DEFAULT_REQUEST_LIMITS = RequestLimits(DEFAULT_MAX_BODY_BYTES)
 
 
 def _too_large(limit: int) -> APIError:

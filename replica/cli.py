@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from kvroute.http import DEFAULT_BODY_TIMEOUT_S, RequestLimits
+from kvroute.http_server import ServerLimits
 from kvroute.protocol import default_advertise_url, replica_id_for
 from kvroute.settings import (
     DEFAULT_MAX_BODY_BYTES,
@@ -32,6 +34,17 @@ class ReplicaServer:
     max_body_bytes: int = option(
         DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", "request body limit in bytes; 413 above"
     )
+    body_timeout_s: float = option(
+        DEFAULT_BODY_TIMEOUT_S,
+        "--body-timeout",
+        "seconds a client may take to send a body; 408 after",
+    )
+    max_prompt_chars: int | None = option(
+        None,
+        "--max-prompt-chars",
+        "prompt characters accepted at most, refused with 400 before tokenizing (default: what the"
+        " model's window allows)",
+    )
     api_key: str | None = option(
         None,
         "--api-key",
@@ -40,6 +53,10 @@ class ReplicaServer:
         env="KVROUTE_REPLICA_KEY",
     )
     log_level: str = option("info", "--log-level", LOG_LEVEL_HELP)
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        return RequestLimits(self.max_body_bytes, self.body_timeout_s, self.max_prompt_chars)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -59,6 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     add_options(parser, EngineConfig)
     add_options(parser, ReplicaServer)
+    add_options(parser, ServerLimits)
     add_options(parser, PublisherConfig, group="cache index (Redis)")
     parser.set_defaults(run=run)
     return parser
@@ -75,7 +93,8 @@ def run(args: argparse.Namespace) -> None:
         config,
         server.host,
         server.port,
-        max_body_bytes=server.max_body_bytes,
+        request_limits=server.request_limits,
+        limits=from_args(ServerLimits, args),
         log_level=server.log_level,
         publisher_config=publisher_config(args, server),
         api_key=server.api_key,

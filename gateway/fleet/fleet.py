@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter
@@ -55,6 +55,10 @@ def _roster(model: str, listed: list[Replica]) -> Roster:
     return Roster(model, fingerprint, replicas, open_, mismatched)
 
 
+RECENT_MODEL_S = 60.0
+"""How long a model whose replicas all vanished still counts as served (503 with retry-after)."""
+
+
 class Fleet:
     """``eject_after``: failures in a row that eject a replica (``ejections`` counts them).
     ``static_urls``: the ``--replica`` URLs."""
@@ -76,6 +80,7 @@ class Fleet:
         self._rosters: dict[str, Roster] = {}
         self._flying: dict[int, Replica] = {}  # ticket -> where it flies
         self._next_ticket = 0
+        self._last_listed: dict[str, float] = {}  # model -> monotonic time a poll last listed it
 
     def _record(self, replica_id: str) -> Replica:
         replica = self._records.get(replica_id)
@@ -95,7 +100,9 @@ class Fleet:
     def heard(self, heartbeats: Sequence[ReplicaHeartbeat], drained: frozenset[str]) -> None:
         """A heartbeat poll: the replicas Redis lists now (sorted by id), and the drain set."""
         listed = []
+        now = time.monotonic()
         for beat in heartbeats:
+            self._last_listed[beat.model] = now
             replica = self._record(beat.replica_id)
             replica.heartbeat = beat
             replica.describe()
@@ -105,6 +112,10 @@ class Fleet:
             if replica.replica_id not in ids:
                 replica.heartbeat = None
                 replica.describe()
+                if replica.static is None:
+                    self._abandon(
+                        replica, f"replica {replica.replica_id} left the index (its heartbeat ended)"
+                    )
         self._redis = listed
         self._shared_drains = drained
         self._changed()
@@ -159,6 +170,12 @@ class Fleet:
             roster = self._rosters[model] = _roster(model, listed)
         return roster
 
+    def listed_lately(self, model: str, within_s: float = RECENT_MODEL_S) -> bool:
+        """Whether a poll listed a replica of ``model`` in the last ``within_s`` seconds: a model
+        that had replicas a moment ago is unavailable, not unknown (503, not 404)."""
+        listed_at = self._last_listed.get(model)
+        return listed_at is not None and time.monotonic() - listed_at <= within_s
+
     @property
     def drained(self) -> frozenset[str]:
         """Replica ids out of rotation: drained through any gateway (shared in Redis), or through
@@ -198,6 +215,7 @@ class Fleet:
                 why,
             )
             self._changed()
+            self._abandon(replica, f"replica {replica.replica_id} was ejected ({why})")
 
     def report_failures(self, tried: Sequence[Replica], failures: Sequence[tuple[str, str]]) -> None:
         """``failures``: (url, why) of the candidates that failed before one answered."""
@@ -221,6 +239,20 @@ class Fleet:
             self._changed()
 
     # -- in flight ----------------------------------------------------------------------------------
+
+    def watch(self, replica: Replica, abandon: Callable[[str], None]) -> None:
+        """``abandon(why)`` gives up a request waiting on or streaming from ``replica`` if the index
+        drops it or it is ejected: one not answered yet goes to the next replica, a stream ends in
+        an error event, instead of waiting out a wedged replica (``unwatch`` when it is over)."""
+        replica.abandons.add(abandon)
+
+    def unwatch(self, replica: Replica, abandon: Callable[[str], None]) -> None:
+        replica.abandons.discard(abandon)
+
+    def _abandon(self, replica: Replica, why: str) -> None:
+        abandons, replica.abandons = replica.abandons, set()
+        for abandon in abandons:
+            abandon(why)
 
     def sent(self, replica: Replica, uncached_tokens: int, sequences: int = 1) -> int:
         """Records a request in flight to ``replica``; returns the ticket to pass to ``done``."""

@@ -7,6 +7,7 @@ gateway's side (its requests in flight here), and what the requests sent to it s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.index.snapshots import ReplicaHeartbeat
@@ -92,6 +93,7 @@ class Replica:
     """
 
     __slots__ = (
+        "abandons",
         "block_size",
         "drained",
         "ejected_url",
@@ -119,6 +121,8 @@ class Replica:
         self.drained = False  # through any gateway (shared in Redis), or through this one
         self.flights = Flights()
         self.stats = ReplicaStats()
+        # how to give up each request waiting on or streaming from it (``Fleet.watch``)
+        self.abandons: set[Callable[[str], None]] = set()
 
     @property
     def source(self) -> str:

@@ -39,6 +39,7 @@ from redis.exceptions import RedisError
 
 from gateway.index.block_index import BlockIndex, PrefixMatch
 from gateway.index.drains import SharedDrains
+from gateway.index.grace import MissingGrace
 from gateway.index.metrics import IndexMetrics
 from gateway.index.pruning import SilentPruner
 from gateway.index.snapshots import ReplicaHeartbeat, Snapshot, SnapshotReader
@@ -61,7 +62,8 @@ class _PollReads:
     positions: dict[str, StreamPosition]
     snapshots: dict[str, Snapshot]
     drained: frozenset[str]
-    in_grace: bool  # Redis restarted empty lately: replicas missing from it are kept
+    expired: frozenset[str]  # registered, but their heartbeat is gone
+    at: float  # loop time of the reads
 
 
 class IndexMirror:
@@ -70,7 +72,9 @@ class IndexMirror:
     ``poll_interval``: seconds between heartbeat polls, and between retries while Redis is away.
     ``restart_grace``: seconds the replicas known before Redis restarted empty stay in rotation
     while they register again (each does within a heartbeat of Redis answering); without it the
-    gateway would know no replica, and answer 404, in between.
+    gateway would know no replica, and answer 404, in between. The same grace keeps replicas
+    whose heartbeats expired while this gateway could not poll, or most of them at once
+    (``gateway.index.grace``).
     ``prune_after``: seconds a registered replica may go without a heartbeat before its entries in
     the replicas and drained sets and its blocks set are deleted (``gateway.index.pruning``).
     ``block_ms``: the longest one XREAD blocks. ``read_count``: entries per stream per XREAD.
@@ -101,8 +105,7 @@ class IndexMirror:
         self.block_ms = block_ms
         self.read_count = read_count
         self.socket_timeout = socket_timeout
-        self.restart_grace = restart_grace
-        self._grace_until = 0.0  # loop time until which replicas missing from Redis are kept
+        self._grace = MissingGrace(restart_grace, poll_interval)
         self.keys = Keys(prefix)
         self.index = BlockIndex()
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -257,7 +260,7 @@ class IndexMirror:
         if self._run_id is not None and run_id != self._run_id:
             log.warning("Redis restarted (run id changed); bootstrapping the index again")
             full = True
-            self._grace_until = now + self.restart_grace
+            self._grace.restarted(now)
         heartbeats = await self._reader.heartbeats(redis, sorted(member.decode() for member in members))
         live = {rid: beat for rid, beat in heartbeats.items() if beat is not None}
         await self._pruner.prune(redis, [rid for rid, beat in heartbeats.items() if beat is None], now)
@@ -277,12 +280,14 @@ class IndexMirror:
         ]
         snapshots = await self._reader.snapshots(redis, reload)
         drained = SharedDrains.members(drained_members)
-        return _PollReads(run_id, full, live, booting, positions, snapshots, drained, now < self._grace_until)
+        expired = frozenset(rid for rid, beat in heartbeats.items() if beat is None)
+        return _PollReads(run_id, full, live, booting, positions, snapshots, drained, expired, now)
 
     def _apply_poll(self, poll: _PollReads) -> None:
+        self._grace.polled(poll.at, set(poll.expired & self._replicas.keys()), len(self._replicas))
         for rid in list(self._replicas):
-            if rid not in poll.live and poll.in_grace:
-                continue  # Redis restarted empty: it registers again within a heartbeat
+            if rid not in poll.live and self._grace.keeps(rid, poll.expired, poll.at):
+                continue  # it registers again (or refreshes its heartbeat) within a heartbeat
             if rid not in poll.live or (rid in poll.snapshots and poll.snapshots[rid][0] is None):
                 self._drop(rid)
         self._apply_positions(poll)

@@ -90,10 +90,30 @@ class UpstreamResponse:
             self._waiter = None
 
     def _time_out(self) -> None:
+        self.abandon(f"no answer from the replica within {self._read_timeout:g} s")
+
+    def abandon(self, why: str) -> None:
+        """Gives up the answer (``why`` is the failure its reader sees) and drops the connection,
+        so the replica aborts the request."""
         connection = self._connection
-        self._finish(UpstreamError(f"no answer from the replica within {self._read_timeout:g} s"))
+        self._finish(UpstreamError(why))
         if connection is not None:
             connection.drop()
+
+    @property
+    def has_data(self) -> bool:
+        """Any body byte arrived (or the body is complete)."""
+        return bool(self._chunks) or self.complete
+
+    async def first_data(self, within_s: float) -> None:
+        """Waits for the first body bytes (or the end, or a failure); a replica silent for
+        ``within_s`` seconds is given up."""
+        try:
+            async with asyncio.timeout(within_s):
+                while not self.has_data and self.failure is None:
+                    await self._wait()
+        except TimeoutError:
+            self.abandon(f"no first byte from the replica within {within_s:g} s")
 
     async def arrival(self, *, body: bool) -> None:
         """Waits for the headers, or with ``body`` for all of the body, unless it fails first."""

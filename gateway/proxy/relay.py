@@ -8,9 +8,10 @@ that final usage-only SSE event is taken out; every other event passes through b
 
 from __future__ import annotations
 
+import functools
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,18 +44,36 @@ class Upstream:
 
 
 async def open_upstream(
-    pool: UpstreamPool, urls: Sequence[str], path: str, body: bytes, *, whole: bool = False
+    pool: UpstreamPool,
+    urls: Sequence[str],
+    path: str,
+    body: bytes,
+    *,
+    whole: bool = False,
+    first_data_within: float | None = None,
+    on_response: Callable[[str, UpstreamResponse], None] | None = None,
 ) -> Upstream:
     """POSTs the JSON ``body`` to each URL in turn until one answers with a status that is not
-    retryable (``whole``: returns once the whole answer is in, see :meth:`UpstreamPool.post`).
+    retryable (``whole``: returns once the whole answer is in; ``first_data_within``: once its
+    first body bytes are, see :meth:`UpstreamPool.post`). ``on_response(url, response)`` sees
+    each attempt as it starts.
 
-    Only failures before the response headers are retried: after that, bytes may be on their way
-    to the client and a second replica would duplicate them.
+    Only failures before anything reached the client are retried (the gateway starts its own
+    reply once this returns): after that, a second replica would duplicate the bytes.
     """
     failures: list[tuple[str, str]] = []
     for url in urls:
+        seen = None if on_response is None else functools.partial(on_response, url)
         try:
-            response = await pool.post(url, path, body, JSON_CONTENT, whole=whole)
+            response = await pool.post(
+                url,
+                path,
+                body,
+                JSON_CONTENT,
+                whole=whole,
+                first_data_within=first_data_within,
+                on_response=seen,
+            )
         except UpstreamError as error:
             failures.append((url, str(error)))
             continue

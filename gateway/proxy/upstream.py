@@ -23,7 +23,7 @@ import asyncio
 import ssl
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -66,10 +66,21 @@ class UpstreamPool:
         self._ssl: ssl.SSLContext | None = None
 
     async def post(
-        self, url: str, path: str, body: bytes, content_type: bytes, *, whole: bool = False
+        self,
+        url: str,
+        path: str,
+        body: bytes,
+        content_type: bytes,
+        *,
+        whole: bool = False,
+        first_data_within: float | None = None,
+        on_response: Callable[[UpstreamResponse], None] | None = None,
     ) -> UpstreamResponse:
-        """POSTs ``body`` to ``url + path``; returns when the response's headers are in, or with
-        ``whole`` when all of it is (a failure after the headers is then raised by the read)."""
+        """POSTs ``body`` to ``url + path``; returns when the response's headers are in, with
+        ``whole`` when all of it is, with ``first_data_within`` when its first body bytes are (a
+        replica silent that long fails: the caller can still try another). A failure after that
+        point is raised by the read. ``on_response`` sees each answer as soon as it is awaited
+        (to give it up from elsewhere: ``UpstreamResponse.abandon``)."""
         origin = self._origins.get(url) or self._origin(url)
         request = b"".join(
             (
@@ -88,14 +99,19 @@ class UpstreamPool:
                 self.release()
                 raise
             response = UpstreamResponse(connection, self.read_timeout)
+            if on_response is not None:
+                on_response(response)
             connection.send(response, request)
             try:
                 await response.arrival(body=whole)
+                if first_data_within is not None and response.headers_done and response.failure is None:
+                    await response.first_data(first_data_within)
             except BaseException:
                 response.close()
                 raise
             failure = response.failure
-            if failure is None or response.headers_done:
+            answered = response.has_data if first_data_within is not None else response.headers_done
+            if failure is None or answered:
                 return response
             if isinstance(failure, ClosedBeforeAnswer) and connection.requests > 1:
                 reuse = False  # most likely closed by the replica while idle: a new connection will do

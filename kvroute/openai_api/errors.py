@@ -16,6 +16,7 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     403: "permission_error",
     404: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -42,6 +43,7 @@ class APIError(Exception):
         type: str | None = None,
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -49,19 +51,29 @@ class APIError(Exception):
         self.type = type or error_type_for_status(status)
         self.param = param
         self.code = code
+        self.headers = headers  # e.g. retry-after on a 503, connection: close on a 408
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON body, also used as the payload of a streamed SSE error event."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def to_response(self) -> JSONResponse:
-        return JSONResponse(self.to_dict(), status_code=self.status)
+        return JSONResponse(self.to_dict(), status_code=self.status, headers=self.headers)
+
+
+ECHO_LIMIT = 100
+"""Characters of a client's own value (a model name) an error message repeats at most."""
+
+
+def echo(value: str) -> str:
+    """A client's value as an error message repeats it: a 1 MB model name is not a 1 MB reply."""
+    return value if len(value) <= ECHO_LIMIT else f"{value[:ECHO_LIMIT]}… ({len(value)} characters)"
 
 
 def model_not_found(model: str) -> APIError:
     """OpenAI's exact 404 for a model name this server does not serve."""
     return APIError(
-        f"The model `{model}` does not exist or you do not have access to it.",
+        f"The model `{echo(model)}` does not exist or you do not have access to it.",
         404,
         param="model",
         code="model_not_found",

@@ -13,14 +13,17 @@ import hashlib
 import json
 import re
 from collections.abc import Mapping, Sequence
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer
+from tokenizers import AddedToken, Encoding, Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from kvroute.text.chat_template import ChatTemplate, openai_to_template_messages
+
+LONG_TEXT_CHARS = 8192
+"""From this length on a text is encoded with the GIL released (``TextTokenizer._encoding``)."""
 
 # The special-token attributes every HF tokenizer has; each is a chat-template variable when set.
 _NAMED_SPECIAL_TOKENS = (
@@ -248,7 +251,20 @@ class TextTokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of ``text``, as HF's ``tokenizer.encode``."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._encoding(text, add_special_tokens).ids
+
+    def _encoding(self, text: str, add_special_tokens: bool) -> Encoding:
+        """A long text goes through ``encode_batch``, which lets go of the GIL while it works
+        (``encode`` holds it for long stretches): the event loop keeps serving meanwhile."""
+        if len(text) < LONG_TEXT_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens)
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """The most characters one token stands for: a text of N characters is at least
+        N / max_token_chars tokens, which bounds a prompt before it is tokenized."""
+        return max(1, *(len(token) for token in self._tok.get_vocab(with_added_tokens=True)))
 
     def boundaries(self, text: str) -> list[tuple[int, int]]:
         """Where a boundary token's text occurs in ``text``: ``(char offset, token id)``, in order.
@@ -272,7 +288,7 @@ class TextTokenizer:
         characters up to that offset followed by the same token, whatever comes after it: one chat
         turn's ids serve the next turn, whose rendering repeats the history (``gateway.tokenizer_registry``).
         """
-        encoding = self._tok.encode(text, add_special_tokens=False)
+        encoding = self._encoding(text, add_special_tokens=False)
         ids = encoding.ids
         indices: list[int] = []
         position = 0  # tokens before it are matched to earlier candidates

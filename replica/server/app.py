@@ -27,7 +27,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from uvicorn.main import STARTUP_FAILURE
 
 from kvroute.auth import bearer_token, key_matches, unauthorized
-from kvroute.http import FastPosts, Handler, asgi_endpoint, http_error, openai_errors, read_body
+from kvroute.http import (
+    DEFAULT_REQUEST_LIMITS,
+    FastPosts,
+    Handler,
+    RequestLimits,
+    asgi_endpoint,
+    http_error,
+    openai_errors,
+    read_body,
+)
+from kvroute.http_server import DEFAULT_LIMITS, ServerLimits, server_config
 from kvroute.openai_api.errors import APIError, model_not_found
 from kvroute.openai_api.schema import (
     ChatCompletionRequest,
@@ -36,7 +46,6 @@ from kvroute.openai_api.schema import (
     TokenizeRequest,
     parse_request,
 )
-from kvroute.settings import DEFAULT_MAX_BODY_BYTES
 from replica.engine.async_engine import AsyncEngine
 from replica.engine.config import EngineConfig
 from replica.kvcache.events import KVEventOutbox
@@ -52,11 +61,11 @@ GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTER
 class _ReplicaAPI:
     """The route handlers of one app, bound to its engine."""
 
-    def __init__(self, engine: AsyncEngine, max_body_bytes: int) -> None:
+    def __init__(self, engine: AsyncEngine, request_limits: RequestLimits) -> None:
         self.engine = engine
-        self.max_body_bytes = max_body_bytes
+        self.request_limits = request_limits
         self.metrics = ReplicaMetrics(engine.stats, engine.served_model_name)
-        self.serving = OpenAIServing(engine, self.metrics)
+        self.serving = OpenAIServing(engine, self.metrics, request_limits.max_prompt_chars)
         self.created = int(time.time())
 
     def generation_endpoints(self) -> dict[str, ASGIApp]:
@@ -84,12 +93,12 @@ class _ReplicaAPI:
             raise model_not_found(model)
 
     async def chat(self, request: Request) -> Response:
-        body = parse_request(ChatCompletionRequest, await read_body(request, self.max_body_bytes))
+        body = parse_request(ChatCompletionRequest, await read_body(request, self.request_limits))
         self._check_model(body.model)
         return await self.serving.chat(body, request)
 
     async def completions(self, request: Request) -> Response:
-        body = parse_request(CompletionRequest, await read_body(request, self.max_body_bytes))
+        body = parse_request(CompletionRequest, await read_body(request, self.request_limits))
         self._check_model(body.model)
         return await self.serving.completions(body, request)
 
@@ -114,7 +123,7 @@ class _ReplicaAPI:
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: plain text adds special tokens by default, a chat does not."""
-        body = parse_request(TokenizeRequest, await read_body(request, self.max_body_bytes))
+        body = parse_request(TokenizeRequest, await read_body(request, self.request_limits))
         self._check_model(body.model)
         tokenizer = self.engine.tokenizer
         if body.prompt is not None:
@@ -133,7 +142,7 @@ class _ReplicaAPI:
         )
 
     async def detokenize(self, request: Request) -> Response:
-        body = parse_request(DetokenizeRequest, await read_body(request, self.max_body_bytes))
+        body = parse_request(DetokenizeRequest, await read_body(request, self.request_limits))
         self._check_model(body.model)
         vocab_size = self.engine.tokenizer.vocab_size
         if body.tokens and max(body.tokens) >= vocab_size:
@@ -153,6 +162,7 @@ class _ReplicaAPI:
                 "model": self.engine.served_model_name,
                 "fingerprint": tokenizer.fingerprint,
                 "block_size": self.engine.stats().block_size,
+                "max_model_len": self.engine.max_model_len,
                 "tokenizer_json": tokenizer.tokenizer_json,
                 "chat_template": tokenizer.chat_template,
                 "tokenizer_config": tokenizer.tokenizer_config,
@@ -195,7 +205,7 @@ class _SharedKeyAuth:
 def build_app(
     engine: AsyncEngine,
     *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
     publisher_config: PublisherConfig | None = None,
     api_key: str | None = None,
 ) -> Starlette:
@@ -222,7 +232,7 @@ def build_app(
         finally:
             await engine.shutdown()
 
-    api = _ReplicaAPI(engine, max_body_bytes)
+    api = _ReplicaAPI(engine, request_limits)
     middleware = [] if not api_key else [Middleware(_SharedKeyAuth, key=api_key)]
     middleware.append(Middleware(FastPosts, posts=api.generation_endpoints()))
     app = Starlette(
@@ -280,7 +290,8 @@ def run_server(
     host: str,
     port: int,
     *,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    request_limits: RequestLimits = DEFAULT_REQUEST_LIMITS,
+    limits: ServerLimits = DEFAULT_LIMITS,
     log_level: str = "info",
     publisher_config: PublisherConfig | None = None,
     api_key: str | None = None,
@@ -294,7 +305,7 @@ def run_server(
     logging.getLogger().setLevel(log_level.upper())  # also when a caller configured logging first
     outbox = None if publisher_config is None else KVEventOutbox()
     engine = AsyncEngine.from_config(config, outbox)
-    app = build_app(engine, max_body_bytes=max_body_bytes, publisher_config=publisher_config, api_key=api_key)
+    app = build_app(engine, request_limits=request_limits, publisher_config=publisher_config, api_key=api_key)
     log.info("serving %s at %s/v1", engine.served_model_name, _url(host, port))
     if publisher_config is not None:
         log.info(
@@ -302,10 +313,10 @@ def run_server(
             publisher_config.replica_id,
             publisher_config.advertise_url,
         )
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level.lower(), timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
+    server_settings = server_config(
+        app, host, port, log_level, limits, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S
     )
-    server = _DeregisterFirstServer(config, app)
+    server = _DeregisterFirstServer(server_settings, app)
     with contextlib.suppress(KeyboardInterrupt):
         server.run()
     if not server.started:

@@ -20,6 +20,7 @@ from kvroute.http import CLIENT_CLOSED_REQUEST, unless_client_leaves
 from kvroute.openai_api.errors import APIError
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, Prompt
 from kvroute.protocol import GATEWAY_ID_HEADER, is_gateway_id
+from kvroute.text.bounds import refuse_surely_too_long
 from kvroute.text.prompt_ids import PromptEncoder
 from replica.engine.async_engine import AsyncEngine
 from replica.engine.sampling_params import SamplingParams
@@ -113,12 +114,18 @@ def request_source(request: Request) -> str | None:
 class OpenAIServing:
     """Turns validated requests into engine requests and OpenAI replies."""
 
-    def __init__(self, engine: AsyncEngine, metrics: ReplicaMetrics) -> None:
+    def __init__(
+        self, engine: AsyncEngine, metrics: ReplicaMetrics, max_prompt_chars: int | None = None
+    ) -> None:
         self.engine = engine
         self.metrics = metrics
+        self.max_prompt_chars = max_prompt_chars
         self.prompts = PromptEncoder(cache_bytes=PROMPT_CACHE_BYTES)
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
+        refuse_surely_too_long(
+            request, self.engine.tokenizer, self.engine.max_model_len, self.max_prompt_chars
+        )
         messages, tools, template_kwargs = request.template_inputs()
         try:
             encoded = await self.prompts.encode_chat(self.engine.tokenizer, messages, tools, template_kwargs)
@@ -132,6 +139,9 @@ class OpenAIServing:
         return await self._serve(shape, request.stream, [spec], raw)
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
+        refuse_surely_too_long(
+            request, self.engine.tokenizer, self.engine.max_model_len, self.max_prompt_chars
+        )
         shape = CompletionShape(
             self.engine.tokenizer,
             request.model,
@@ -152,6 +162,10 @@ class OpenAIServing:
             return _EventStream(_sse_events(shape, generation))
         response = await unless_client_leaves(raw.receive, _collect(shape, generation))
         return response or Response(status_code=CLIENT_CLOSED_REQUEST)
+
+    def _refuse_surely_too_long(self, request: ChatCompletionRequest | CompletionRequest) -> None:
+        engine = self.engine
+        refuse_surely_too_long(request, engine.tokenizer, engine.max_model_len, self.max_prompt_chars)
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

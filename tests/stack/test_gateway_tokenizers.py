@@ -16,9 +16,9 @@ import subprocess
 import sys
 import threading
 import tracemalloc
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import pytest
@@ -31,10 +31,12 @@ from kvroute.text.tokenizer import TextTokenizer
 from launcher.local_redis import free_port
 from tests.helpers.processes import ReplicaProcess
 
+pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
+
 MODEL = "tiny-qwen3"
+TIMEOUT_S = 60  # the bound of each test that talks to the replica
 BLOCK_SIZE = 8
 TEMPLATES = Path(__file__).parents[1] / "templates"
-T = TypeVar("T")
 
 CONVERSATION: list[dict[str, Any]] = [
     {"role": "system", "content": "You are terse."},
@@ -77,16 +79,6 @@ def fingerprint(payload: dict[str, Any]) -> str:
     return payload["fingerprint"]
 
 
-def _run(scenario: Callable[[httpx.AsyncClient], Coroutine[Any, Any, T]], hooks: Sequence[Any] = ()) -> T:
-    """Runs ``scenario`` with a fresh AsyncClient (``hooks`` see every request it sends)."""
-
-    async def main() -> T:
-        async with httpx.AsyncClient(timeout=30, event_hooks={"request": list(hooks)}) as http:
-            return await asyncio.wait_for(scenario(http), 60)
-
-    return asyncio.run(main())
-
-
 class _RequestCounter:
     """An httpx request hook counting tokenizer fetches."""
 
@@ -96,6 +88,19 @@ class _RequestCounter:
     async def __call__(self, request: httpx.Request) -> None:
         if request.url.path == "/kvroute/tokenizer":
             self.urls.append(str(request.url))
+
+
+@pytest.fixture
+def fetches() -> _RequestCounter:
+    """The tokenizer fetches ``http`` sends."""
+    return _RequestCounter()
+
+
+@pytest.fixture
+async def http(fetches: _RequestCounter) -> AsyncIterator[httpx.AsyncClient]:
+    """A fresh AsyncClient per test; ``fetches`` sees every request it sends."""
+    async with httpx.AsyncClient(timeout=30, event_hooks={"request": [fetches]}) as client:
+        yield client
 
 
 def _dead_url() -> str:
@@ -128,9 +133,11 @@ def test_endpoint_serves_files_that_rebuild_the_same_tokenizer(
     payload: dict[str, Any], qwen3_dir: Path
 ) -> None:
     assert set(payload) == {
-        "model", "fingerprint", "block_size", "tokenizer_json", "chat_template", "tokenizer_config",
+        "model", "fingerprint", "block_size", "max_model_len", "tokenizer_json", "chat_template",
+        "tokenizer_config",
     }  # fmt: skip
     assert payload["model"] == MODEL
+    assert isinstance(payload["max_model_len"], int) and payload["max_model_len"] > 0
     assert payload["block_size"] == BLOCK_SIZE
     local = TextTokenizer.from_dir(qwen3_dir)
     assert payload["fingerprint"] == local.fingerprint
@@ -146,25 +153,25 @@ def test_endpoint_serves_files_that_rebuild_the_same_tokenizer(
 # --- fetching ------------------------------------------------------------------------------------
 
 
-def test_concurrent_gets_share_one_fetch(replica_url: str, fingerprint: str) -> None:
-    counter = _RequestCounter()
-
-    async def scenario(http: httpx.AsyncClient) -> list[TextTokenizer]:
+async def test_concurrent_gets_share_one_fetch(
+    replica_url: str, fingerprint: str, http: httpx.AsyncClient, fetches: _RequestCounter
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         assert registry.cached(MODEL, fingerprint) is None
         got = await asyncio.gather(*(registry.get(MODEL, fingerprint, [replica_url]) for _ in range(20)))
         again = await registry.get(MODEL, fingerprint, [replica_url])
         assert registry.cached(MODEL, fingerprint) is again
-        return [*got, again]
-
-    tokenizers = _run(scenario, [counter])
-    assert len(counter.urls) == 1
+    tokenizers = [*got, again]
+    assert len(fetches.urls) == 1
     assert all(tokenizer is tokenizers[0] for tokenizer in tokenizers)
     assert tokenizers[0].fingerprint == fingerprint
 
 
-def test_wrong_fingerprint_or_model_is_refused_and_not_cached(replica_url: str, fingerprint: str) -> None:
-    async def scenario(http: httpx.AsyncClient) -> None:
+async def test_wrong_fingerprint_or_model_is_refused_and_not_cached(
+    replica_url: str, fingerprint: str, http: httpx.AsyncClient
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         with pytest.raises(TokenizerMismatch, match="is registered"):
             await registry.get(MODEL, "0" * 64, [replica_url])
@@ -174,22 +181,22 @@ def test_wrong_fingerprint_or_model_is_refused_and_not_cached(replica_url: str, 
         # a failure does not poison the key: the right fingerprint still loads
         assert (await registry.get(MODEL, fingerprint, [replica_url])).fingerprint == fingerprint
 
-    _run(scenario)
 
-
-def test_unreachable_replica_falls_back_to_the_next(replica_url: str, fingerprint: str) -> None:
-    counter = _RequestCounter()
+async def test_unreachable_replica_falls_back_to_the_next(
+    replica_url: str, fingerprint: str, http: httpx.AsyncClient, fetches: _RequestCounter
+) -> None:
     dead = _dead_url()
 
-    async def scenario(http: httpx.AsyncClient) -> TextTokenizer:
-        return await TokenizerRegistry(http).get(MODEL, fingerprint, [dead, replica_url + "/"])
+    async with asyncio.timeout(TIMEOUT_S):
+        tokenizer = await TokenizerRegistry(http).get(MODEL, fingerprint, [dead, replica_url + "/"])
+    assert tokenizer.fingerprint == fingerprint
+    assert [url.rsplit("/kvroute", 1)[0] for url in fetches.urls] == [dead, replica_url]
 
-    assert _run(scenario, [counter]).fingerprint == fingerprint
-    assert [url.rsplit("/kvroute", 1)[0] for url in counter.urls] == [dead, replica_url]
 
-
-def test_no_usable_replica_is_unavailable(replica_url: str, fingerprint: str) -> None:
-    async def scenario(http: httpx.AsyncClient) -> None:
+async def test_no_usable_replica_is_unavailable(
+    replica_url: str, fingerprint: str, http: httpx.AsyncClient
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         with pytest.raises(TokenizerUnavailable, match="ConnectError"):
             await registry.get(MODEL, fingerprint, [_dead_url(), _dead_url()])
@@ -198,8 +205,6 @@ def test_no_usable_replica_is_unavailable(replica_url: str, fingerprint: str) ->
         with pytest.raises(TokenizerUnavailable, match="404"):  # a replica without the endpoint
             await registry.get(MODEL, fingerprint, [replica_url + "/nothing-here"])
 
-    _run(scenario)
-
 
 def _forging_client(forged: dict[str, Any], counter: _RequestCounter) -> httpx.AsyncClient:
     """A client on which http://forger answers ``forged``; other hosts are real."""
@@ -207,7 +212,7 @@ def _forging_client(forged: dict[str, Any], counter: _RequestCounter) -> httpx.A
     return httpx.AsyncClient(timeout=30, mounts={"http://forger": forger}, event_hooks={"request": [counter]})
 
 
-def test_files_that_do_not_hash_to_the_claimed_fingerprint_are_refused(
+async def test_files_that_do_not_hash_to_the_claimed_fingerprint_are_refused(
     replica_url: str, fingerprint: str, payload: dict[str, Any]
 ) -> None:
     """A replica that claims the right fingerprint but serves other files (say, an edited template)
@@ -215,39 +220,34 @@ def test_files_that_do_not_hash_to_the_claimed_fingerprint_are_refused(
     forged = {**payload, "chat_template": payload["chat_template"] + "{# edited #}"}
     counter = _RequestCounter()
 
-    async def main() -> None:
-        async with _forging_client(forged, counter) as http:
-            registry = TokenizerRegistry(http)
-            with pytest.raises(TokenizerMismatch, match="hash to"):
-                await registry.get(MODEL, fingerprint, ["http://forger"])
-            tokenizer = await registry.get(MODEL, fingerprint, ["http://forger", replica_url])
-            assert tokenizer.fingerprint == fingerprint
-
-    asyncio.run(main())
+    async with _forging_client(forged, counter) as http:
+        registry = TokenizerRegistry(http)
+        with pytest.raises(TokenizerMismatch, match="hash to"):
+            await registry.get(MODEL, fingerprint, ["http://forger"])
+        tokenizer = await registry.get(MODEL, fingerprint, ["http://forger", replica_url])
+        assert tokenizer.fingerprint == fingerprint
     assert len(counter.urls) == 3
 
 
-def test_mismatch_wins_over_unreachable_in_the_error(replica_url: str, fingerprint: str) -> None:
-    async def scenario(http: httpx.AsyncClient) -> None:
+async def test_mismatch_wins_over_unreachable_in_the_error(
+    replica_url: str, fingerprint: str, http: httpx.AsyncClient
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         with pytest.raises(TokenizerMismatch, match="ConnectError"):
             await TokenizerRegistry(http).get(MODEL, "0" * 64, [_dead_url(), replica_url])
 
-    _run(scenario)
 
-
-def test_local_directory_instead_of_fetching(qwen3_dir: Path, fingerprint: str) -> None:
-    counter = _RequestCounter()
-
-    async def scenario(http: httpx.AsyncClient) -> None:
+async def test_local_directory_instead_of_fetching(
+    qwen3_dir: Path, fingerprint: str, http: httpx.AsyncClient, fetches: _RequestCounter
+) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         local = registry.register_local(MODEL, qwen3_dir)
         assert local.fingerprint == fingerprint
         assert await registry.get(MODEL, fingerprint, [_dead_url()]) is local
         with pytest.raises(TokenizerMismatch, match="local tokenizer"):
             await registry.get(MODEL, "f" * 64, [_dead_url()])
-
-    _run(scenario, [counter])
-    assert counter.urls == []
+    assert fetches.urls == []
 
 
 # --- encoding ------------------------------------------------------------------------------------
@@ -258,31 +258,31 @@ def test_local_directory_instead_of_fetching(qwen3_dir: Path, fingerprint: str) 
     [{}, {"tools": TOOLS, "chat_template_kwargs": {"enable_thinking": False}}],
     ids=["plain", "tools-and-kwargs"],
 )
-def test_encode_chat_matches_the_replica(replica_url: str, fingerprint: str, extra: dict[str, Any]) -> None:
+async def test_encode_chat_matches_the_replica(
+    replica_url: str, fingerprint: str, extra: dict[str, Any], http: httpx.AsyncClient
+) -> None:
     body = {"model": MODEL, "messages": CONVERSATION, "max_tokens": 1, **extra}
     request = parse_request(ChatCompletionRequest, json.dumps(body).encode())
 
-    async def scenario(http: httpx.AsyncClient) -> list[int]:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         tokenizer = await registry.get(MODEL, fingerprint, [replica_url])
-        return (await registry.encode_chat(tokenizer, *request.template_inputs())).ids.tolist()
-
-    ids = _run(scenario)
+        ids = (await registry.encode_chat(tokenizer, *request.template_inputs())).ids.tolist()
     completion = httpx.post(f"{replica_url}/v1/chat/completions", json=body, timeout=60)
     assert completion.status_code == 200, completion.text
     assert completion.json()["usage"]["prompt_tokens"] == len(ids)
     assert _replica_tokens(replica_url, {"messages": CONVERSATION, **extra}) == ids
 
 
-def test_encode_prompt_matches_the_replica(replica_url: str, fingerprint: str) -> None:
+async def test_encode_prompt_matches_the_replica(
+    replica_url: str, fingerprint: str, http: httpx.AsyncClient
+) -> None:
     text = "Once upon a time, in a land of tokens,"
 
-    async def scenario(http: httpx.AsyncClient) -> list[int]:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         tokenizer = await registry.get(MODEL, fingerprint, [replica_url])
-        return (await registry.encode_prompt(tokenizer, text)).ids.tolist()
-
-    ids = _run(scenario)
+        ids = (await registry.encode_prompt(tokenizer, text)).ids.tolist()
     completion = httpx.post(
         f"{replica_url}/v1/completions", json={"model": MODEL, "prompt": text, "max_tokens": 1}, timeout=60
     )
@@ -291,10 +291,10 @@ def test_encode_prompt_matches_the_replica(replica_url: str, fingerprint: str) -
     assert _replica_tokens(replica_url, {"prompt": text}) == ids
 
 
-def test_repeated_conversation_is_a_cache_hit(
-    qwen3_dir: Path, fingerprint: str, monkeypatch: pytest.MonkeyPatch
+async def test_repeated_conversation_is_a_cache_hit(
+    qwen3_dir: Path, fingerprint: str, monkeypatch: pytest.MonkeyPatch, http: httpx.AsyncClient
 ) -> None:
-    async def scenario(http: httpx.AsyncClient) -> None:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         tokenizer = registry.register_local(MODEL, qwen3_dir)
         chats = _count_calls_args(monkeypatch, tokenizer, "encode_with_boundaries")
@@ -316,18 +316,16 @@ def test_repeated_conversation_is_a_cache_hit(
         assert len(prompts) == before + 1
         assert (registry.cache_hits, registry.cache_misses) == (2, 4)
 
-    _run(scenario)
 
-
-def test_long_inputs_are_tokenized_off_the_event_loop(
-    replica_url: str, fingerprint: str, monkeypatch: pytest.MonkeyPatch
+async def test_long_inputs_are_tokenized_off_the_event_loop(
+    replica_url: str, fingerprint: str, monkeypatch: pytest.MonkeyPatch, http: httpx.AsyncClient
 ) -> None:
     long_text = " ".join(f"word{i} and some filler text" for i in range(400))  # > 8192 chars
     assert len(long_text) > 8192
     messages = [{"role": "user", "content": long_text}]
     next_turn = [*messages, {"role": "assistant", "content": "Sure."}, {"role": "user", "content": "More?"}]
 
-    async def scenario(http: httpx.AsyncClient) -> tuple[list[int], list[int], list[int]]:
+    async with asyncio.timeout(TIMEOUT_S):
         registry = TokenizerRegistry(http)
         tokenizer = await registry.get(MODEL, fingerprint, [replica_url])
         chats = _count_calls(monkeypatch, tokenizer, "encode_with_boundaries")
@@ -342,12 +340,9 @@ def test_long_inputs_are_tokenized_off_the_event_loop(
         assert chats[0] == loop_thread  # a short input is not worth a thread hop
         assert chats[1] != loop_thread and prompts[0] != loop_thread
         assert chats[2] == loop_thread
-        return long_chat.ids.tolist(), long_prompt.ids.tolist(), followed.ids.tolist()
-
-    long_chat, long_prompt, followed = _run(scenario)
-    assert _replica_tokens(replica_url, {"messages": messages}) == long_chat
-    assert _replica_tokens(replica_url, {"prompt": long_text}) == long_prompt
-    assert _replica_tokens(replica_url, {"messages": next_turn}) == followed
+    assert _replica_tokens(replica_url, {"messages": messages}) == long_chat.ids.tolist()
+    assert _replica_tokens(replica_url, {"prompt": long_text}) == long_prompt.ids.tolist()
+    assert _replica_tokens(replica_url, {"messages": next_turn}) == followed.ids.tolist()
 
 
 def _count_calls_args(monkeypatch: pytest.MonkeyPatch, tokenizer: TextTokenizer, name: str) -> list[str]:
@@ -426,7 +421,7 @@ async def _check_turn_by_turn(
 
 
 @pytest.mark.parametrize("template", ["smollm2.jinja", "qwen3.jinja"])
-def test_turn_after_turn_the_ids_equal_a_full_tokenization(
+async def test_turn_after_turn_the_ids_equal_a_full_tokenization(
     template: str, llama_dir: Path, qwen3_dir: Path
 ) -> None:
     """SmolLM2's template on the SmolLM2-style tokenizer, Qwen3's on the Qwen-style one (NFC, its
@@ -434,28 +429,22 @@ def test_turn_after_turn_the_ids_equal_a_full_tokenization(
     dropped), which only ends the reused prefix earlier."""
     tokenizer = _with_template(llama_dir if template == "smollm2.jinja" else qwen3_dir, template)
 
-    async def scenario() -> None:
-        registry = TokenizerRegistry(httpx.AsyncClient())
-        sent = await _check_turn_by_turn(registry, tokenizer, random.Random(template), 40)
-        assert registry.cache_misses == sent  # no conversation repeats
-        assert registry.prefix_hits > 0.7 * sent, (registry.prefix_hits, sent)
-
-    asyncio.run(scenario())
+    registry = TokenizerRegistry(httpx.AsyncClient())
+    sent = await _check_turn_by_turn(registry, tokenizer, random.Random(template), 40)
+    assert registry.cache_misses == sent  # no conversation repeats
+    assert registry.prefix_hits > 0.7 * sent, (registry.prefix_hits, sent)
 
 
-def test_special_tokens_split_as_text_are_no_boundaries(qwen3_dir: Path) -> None:
+async def test_special_tokens_split_as_text_are_no_boundaries(qwen3_dir: Path) -> None:
     """With ``split_special_tokens`` the special tokens are plain text: only the added non-special
     tokens (``<think>``...) still cut the text, and the ids stay exact."""
     tokenizer = _with_template(qwen3_dir, "qwen3.jinja", split_special_tokens=True)
     assert "<|im_start|>" not in tokenizer.boundary_tokens and "<think>" in tokenizer.boundary_tokens
 
-    async def scenario() -> None:
-        await _check_turn_by_turn(TokenizerRegistry(httpx.AsyncClient()), tokenizer, random.Random(7), 15)
-
-    asyncio.run(scenario())
+    await _check_turn_by_turn(TokenizerRegistry(httpx.AsyncClient()), tokenizer, random.Random(7), 15)
 
 
-def test_a_longer_token_at_a_cached_boundary_is_not_taken_for_it(
+async def test_a_longer_token_at_a_cached_boundary_is_not_taken_for_it(
     qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An added token that begins with a boundary token's text: the rendering of the next turn has
@@ -468,46 +457,40 @@ def test_a_longer_token_at_a_cached_boundary_is_not_taken_for_it(
     turn = [{"role": "user", "content": "Yes or no?"}]
     next_turn = [*turn, {"role": "assistant", "content": "No."}, {"role": "user", "content": "Sure?"}]
 
-    async def scenario() -> None:
-        registry = TokenizerRegistry(httpx.AsyncClient())
-        encoded = _count_calls_args(monkeypatch, tokenizer, "encode_with_boundaries")
-        await registry.encode_chat(tokenizer, turn, None, {})
-        prompt = await registry.encode_chat(tokenizer, next_turn, None, {})
-        assert prompt.ids.tolist() == tokenizer.encode_chat(next_turn)
-        assert registry.prefix_hits == 1
-        # not reused up to the assistant turn's start (another token there now), but to the one before
-        assert encoded[-1].startswith("<|im_end|>\n<|im_start|>assistant\nNo.")
-
-    asyncio.run(scenario())
+    registry = TokenizerRegistry(httpx.AsyncClient())
+    encoded = _count_calls_args(monkeypatch, tokenizer, "encode_with_boundaries")
+    await registry.encode_chat(tokenizer, turn, None, {})
+    prompt = await registry.encode_chat(tokenizer, next_turn, None, {})
+    assert prompt.ids.tolist() == tokenizer.encode_chat(next_turn)
+    assert registry.prefix_hits == 1
+    # not reused up to the assistant turn's start (another token there now), but to the one before
+    assert encoded[-1].startswith("<|im_end|>\n<|im_start|>assistant\nNo.")
 
 
-def test_the_cache_holds_one_copy_per_conversation_within_its_bound(qwen3_dir: Path) -> None:
+async def test_the_cache_holds_one_copy_per_conversation_within_its_bound(qwen3_dir: Path) -> None:
     tokenizer = _with_template(qwen3_dir, "qwen3.jinja")
     rng = random.Random(3)
 
-    async def scenario() -> None:
-        registry = TokenizerRegistry(httpx.AsyncClient(), cache_bytes=200_000)
-        messages = [{"role": "user", "content": "Start."}]
-        for turn in range(6):
-            await registry.encode_chat(tokenizer, messages, None, {})
-            messages += [
-                {"role": "assistant", "content": f"Answer {turn}."},
-                {"role": "user", "content": "Go on."},
-            ]
-        assert registry.prefix_hits == 5 and registry.cache_entries == 1
-        first = [{"role": "user", "content": "The very first conversation."}]
-        await registry.encode_chat(tokenizer, first, None, {})
-        for _ in range(300):
-            await registry.encode_chat(tokenizer, [{"role": "user", "content": _text(rng) * 3}], None, {})
-            assert registry.cache_bytes <= 200_000
-        hits = registry.cache_hits
-        await registry.encode_chat(tokenizer, first, None, {})
-        assert registry.cache_hits == hits, "the oldest entries were evicted"
-
-    asyncio.run(scenario())
+    registry = TokenizerRegistry(httpx.AsyncClient(), cache_bytes=200_000)
+    messages = [{"role": "user", "content": "Start."}]
+    for turn in range(6):
+        await registry.encode_chat(tokenizer, messages, None, {})
+        messages += [
+            {"role": "assistant", "content": f"Answer {turn}."},
+            {"role": "user", "content": "Go on."},
+        ]
+    assert registry.prefix_hits == 5 and registry.cache_entries == 1
+    first = [{"role": "user", "content": "The very first conversation."}]
+    await registry.encode_chat(tokenizer, first, None, {})
+    for _ in range(300):
+        await registry.encode_chat(tokenizer, [{"role": "user", "content": _text(rng) * 3}], None, {})
+        assert registry.cache_bytes <= 200_000
+    hits = registry.cache_hits
+    await registry.encode_chat(tokenizer, first, None, {})
+    assert registry.cache_hits == hits, "the oldest entries were evicted"
 
 
-def test_the_cache_size_estimate_is_close_to_the_memory_used(qwen3_dir: Path) -> None:
+async def test_the_cache_size_estimate_is_close_to_the_memory_used(qwen3_dir: Path) -> None:
     tokenizer = _with_template(qwen3_dir, "qwen3.jinja")
     conversations = [_conversation(random.Random(seed), with_tools=False) for seed in range(200)]
 
@@ -515,19 +498,16 @@ def test_the_cache_size_estimate_is_close_to_the_memory_used(qwen3_dir: Path) ->
         for messages in conversations:
             await registry.encode_chat(tokenizer, messages, None, {})
 
-    async def scenario() -> tuple[int, int]:
-        await fill(TokenizerRegistry(httpx.AsyncClient()))  # warm whatever caches jinja keeps
-        registry = TokenizerRegistry(httpx.AsyncClient())
-        gc.collect()
-        tracemalloc.start()
-        before = tracemalloc.get_traced_memory()[0]
-        await fill(registry)
-        gc.collect()
-        used = tracemalloc.get_traced_memory()[0] - before
-        tracemalloc.stop()
-        return used, registry.cache_bytes
-
-    used, estimated = asyncio.run(scenario())
+    await fill(TokenizerRegistry(httpx.AsyncClient()))  # warm whatever caches jinja keeps
+    registry = TokenizerRegistry(httpx.AsyncClient())
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    await fill(registry)
+    gc.collect()
+    used = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    estimated = registry.cache_bytes
     assert 0.6 * used < estimated < 1.6 * used, (used, estimated)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gateway.settings import GatewaySettings
+from kvroute.http_server import ServerLimits
 from kvroute.protocol import default_advertise_url, replica_id_for
 from kvroute.settings import HelpFormatter, format_default, from_args, shows_default
 from launcher.cli import build_parser, main
@@ -119,7 +120,7 @@ def test_gateway_keys_come_from_flags_else_the_environment(
 ) -> None:
     import gateway.app
 
-    runs: list[tuple[GatewaySettings, str, int, str]] = []
+    runs: list[tuple[GatewaySettings, str, int, str, ServerLimits]] = []
     no_key_env.setattr(gateway.app, "run_gateway", lambda *args: runs.append(args))
     no_key_env.setenv("KVROUTE_API_KEYS", " k1, k2,,k1")
     no_key_env.setenv("KVROUTE_ADMIN_KEY", "admin")
@@ -137,7 +138,8 @@ def test_gateway_keys_come_from_flags_else_the_environment(
             "--metrics-key-required",
         ]
     )
-    (first, host, port, level), (second, *_) = runs
+    (first, host, port, level, limits), (second, *_) = runs
+    assert limits == ServerLimits()
     assert (first.api_keys, first.admin_key, first.replica_key) == (("k1", "k2"), "admin", "rk")
     assert (first.replicas, first.redis_url, host, port, level) == (
         ("http://r:1",),
@@ -165,7 +167,13 @@ def test_replica_settings_from_its_flags(
     main([*base, "--redis", "redis://r", "--advertise-url", "http://pod:80", "--api-key", "mine"])
     (config, host, port), options = runs[0]
     assert config == EngineConfig(tmp_path, engine="sim", sim_profile="instant", max_num_seqs=8)
-    assert (host, port, options["max_body_bytes"], options["api_key"]) == ("127.0.0.1", 8001, 100, "rk")
+    assert (host, port, options["request_limits"].max_body_bytes, options["api_key"]) == (
+        "127.0.0.1",
+        8001,
+        100,
+        "rk",
+    )
+    assert options["request_limits"].body_timeout_s == 30.0 and options["limits"] == ServerLimits()
     assert options["publisher_config"] is None
     url = default_advertise_url("0.0.0.0", 9001)
     assert runs[1][1]["publisher_config"] == PublisherConfig(

@@ -1,0 +1,54 @@
+"""When replicas missing from a heartbeat poll stay in rotation a while longer.
+
+A replica that is really gone drops out at once: its heartbeat expires alone, or it deregisters.
+But a missing heartbeat is also what a Redis fault looks like from here: a Redis that restarted
+empty lists nobody until each replica registers again (within a heartbeat), and a Redis stall
+longer than the heartbeat TTL (or replicas cut off from Redis) expires every heartbeat at once.
+Dropping them then would leave a model with no replica, and clients with errors, for nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+log = logging.getLogger("kvroute.gateway.mirror")
+
+STALL_POLLS = 2.0
+"""Polls' worth of time without a successful one after which expired heartbeats are doubted."""
+
+
+class MissingGrace:
+    """``seconds``: how long the replicas are kept; ``poll_interval``: the mirror's."""
+
+    def __init__(self, seconds: float, poll_interval: float) -> None:
+        self.seconds = seconds
+        self.poll_interval = poll_interval
+        self._restart_until = 0.0  # Redis restarted empty: every missing replica is kept until then
+        self._expiry_until = 0.0  # heartbeats expired by a fault: registered ones are kept until then
+        self._last_poll: float | None = None
+
+    def restarted(self, now: float) -> None:
+        """Redis's run id changed."""
+        self._restart_until = now + self.seconds
+
+    def polled(self, now: float, expired: set[str], known: int) -> None:
+        """A poll found ``expired`` (registered, no heartbeat) of ``known`` replicas: a grace starts
+        if the poll before was too long ago (this gateway could not reach Redis either) or if most
+        expired together."""
+        if expired and now >= self._expiry_until:
+            stalled = self._last_poll is not None and now - self._last_poll > STALL_POLLS * self.poll_interval
+            together = len(expired) >= 2 and 2 * len(expired) >= known
+            if stalled or together:
+                self._expiry_until = now + self.seconds
+                log.warning(
+                    "%d replica heartbeats expired %s; keeping those replicas for %g s while they refresh",
+                    len(expired),
+                    "while Redis could not be polled" if stalled else "at once",
+                    self.seconds,
+                )
+        self._last_poll = now
+
+    def keeps(self, replica_id: str, expired: frozenset[str], now: float) -> bool:
+        """Whether a replica missing from the poll at ``now`` stays (one that deregistered does
+        not, unless Redis restarted empty)."""
+        return now < self._restart_until or (replica_id in expired and now < self._expiry_until)
