@@ -148,6 +148,7 @@ def build_app(settings: GatewaySettings) -> ASGIApp:
         api_keys=settings.api_keys,
         admin_key=settings.admin_key,
         metrics_key_required=settings.metrics_key_required,
+        rate_limits=settings.rate_limits,
     )
 
 

@@ -7,6 +7,8 @@
 * ``/admin/*``: the admin key (``--admin-key``, ``KVROUTE_ADMIN_KEY``) only; a valid data key gets
   403 (``permission_error``), a missing or wrong one 401. Without an admin key configured the
   admin API is disabled: 403.
+* per data key, at most ``rate_limits`` on ``/v1`` (``gateway.rate_limit``; 429 above it);
+  admin keys are not limited.
 * ``/metrics``: open unless ``metrics_key_required`` (then any data or admin key works).
 * everything else (``/health``, unknown paths): open.
 
@@ -21,11 +23,16 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from gateway.rate_limit import KeyRateLimits
 from kvroute.auth import bearer_token, key_matches, unauthorized
 from kvroute.openai_api.errors import APIError
 
 AUTH_SCOPE_KEY = "kvroute.auth"
 ADMIN, DATA = "admin", "data"
+
+
+def _is_api(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/")
 
 
 class GatewayAuth:
@@ -38,8 +45,10 @@ class GatewayAuth:
         api_keys: Iterable[str] = (),
         admin_key: str | None = None,
         metrics_key_required: bool = False,
+        rate_limits: KeyRateLimits | None = None,
     ) -> None:
         self.app = app
+        self.rate_limits = rate_limits
         self.data_keys = tuple(k.encode() for k in api_keys)
         self.admin_keys = (admin_key.encode(),) if admin_key else ()
         self.metrics_key_required = metrics_key_required
@@ -54,7 +63,7 @@ class GatewayAuth:
 
     def check(self, path: str, role: str | None, presented: bool) -> APIError | None:
         """The refusal for a request to ``path`` by ``role``, or None to let it through."""
-        if path == "/v1" or path.startswith("/v1/"):
+        if _is_api(path):
             if self.data_keys and role is None:  # with only an admin key set, /v1 stays open
                 return unauthorized(
                     "Incorrect API key provided."
@@ -87,6 +96,9 @@ class GatewayAuth:
         role = self.role(token)
         scope[AUTH_SCOPE_KEY] = role
         refusal = self.check(scope["path"], role, token is not None)
+        if refusal is None and role == DATA and self.rate_limits is not None and _is_api(scope["path"]):
+            assert token is not None
+            refusal = self.rate_limits.refusal(token)
         if refusal is None:
             await self.app(scope, receive, send)
             return

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S
+from gateway.rate_limit import KeyRateLimits
 from kvroute.http import DEFAULT_BODY_TIMEOUT_S, RequestLimits
 from kvroute.protocol import DEFAULT_PREFIX
 from kvroute.settings import DEFAULT_MAX_BODY_BYTES, option
@@ -86,6 +87,16 @@ class GatewaySettings:
         env="KVROUTE_ADMIN_KEY",
         group=KEYS,
     )
+    rate_limit: float | None = option(
+        None,
+        "--rate-limit",
+        "requests a second each data key may send on average; 429 with retry-after above it"
+        " (default: no limit)",
+        group=KEYS,
+    )
+    rate_burst: int = option(
+        20, "--rate-burst", "requests a data key may send at once under --rate-limit", group=KEYS
+    )
     metrics_key_required: bool = option(
         False, "--metrics-key-required", "/metrics needs a data or admin key", group=KEYS
     )
@@ -113,3 +124,7 @@ class GatewaySettings:
     @property
     def request_limits(self) -> RequestLimits:
         return RequestLimits(self.max_body_bytes, self.body_timeout_s, self.max_prompt_chars)
+
+    @property
+    def rate_limits(self) -> KeyRateLimits | None:
+        return None if self.rate_limit is None else KeyRateLimits(self.rate_limit, self.rate_burst)

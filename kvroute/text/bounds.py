@@ -41,7 +41,7 @@ def refuse_surely_too_long(
                 param=noun,
                 code="context_length_exceeded",
             )
-        tokens = max(at_least, chars // tokenizer.max_token_chars)
+        tokens = max(at_least, -(-chars // tokenizer.max_token_chars))  # each token covers at most that
         if window is not None and tokens > window:
             raise APIError(
                 f"This model's maximum context length is {window} tokens. However, your {noun} "
