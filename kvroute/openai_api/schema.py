@@ -167,6 +167,7 @@ def chat_template_inputs(
 
 class StreamOptions(_Model):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage (so far) in every chunk, with include_usage
 
 
 class _GenerationRequest(_TopLevel):
@@ -205,6 +206,15 @@ class _GenerationRequest(_TopLevel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk of the stream, not only in the last (vLLM's extension)."""
+        return (
+            self.include_usage
+            and self.stream_options is not None
+            and self.stream_options.continuous_usage_stats
+        )
 
     @property
     def num_sequences(self) -> int:

@@ -39,15 +39,20 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 async def _sse_events(shape: ReplyShape, generation: Generation) -> AsyncGenerator[str, None]:
-    """The whole SSE stream; a failure becomes an error event, and ``[DONE]`` always ends it."""
+    """The whole SSE stream; a failure becomes an error event, and ``[DONE]`` always ends it.
+    Each choice opens (``opening_choice``) with its first output, not before the prefill."""
+    opened: set[int] = set()
     try:
-        for choice in shape.opening_choices(generation.num_choices):
-            yield _sse(shape.chunk([choice]))
         async with aclosing(generation.deltas()) as deltas:
             async for index, delta in deltas:
+                usage = generation.usage() if shape.continuous_usage else None
+                if index not in opened:
+                    opened.add(index)
+                    if (opening := shape.opening_choice(index)) is not None:
+                        yield _sse(shape.chunk([opening], usage))
                 choice = shape.stream_choice(index, delta)
                 if choice is not None:
-                    yield _sse(shape.chunk([choice]))
+                    yield _sse(shape.chunk([choice], usage))
         if shape.include_usage:  # sent with [DONE]: nothing comes between them
             yield _sse(shape.chunk([], usage=generation.usage())) + _DONE
             return
@@ -133,7 +138,11 @@ class OpenAIServing:
             raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
         prompt = encoded.ids.tolist()
         shape = ChatShape(
-            self.engine.tokenizer, request.model, request.include_usage, with_logprobs=request.logprobs
+            self.engine.tokenizer,
+            request.model,
+            request.include_usage,
+            with_logprobs=request.logprobs,
+            continuous_usage=request.continuous_usage,
         )
         spec = self._spec(shape, request, prompt, request.requested_max_tokens, request.num_logprobs)
         return await self._serve(shape, request.stream, [spec], raw)
@@ -147,6 +156,7 @@ class OpenAIServing:
             request.model,
             request.include_usage,
             with_logprobs=request.logprobs is not None,
+            continuous_usage=request.continuous_usage,
         )
         specs = [
             self._spec(shape, request, await self._prompt_ids(prompt), request.max_tokens, request.logprobs)

@@ -39,11 +39,17 @@ class ReplyShape(ABC):
     prompt_noun: ClassVar[str]  # what OpenAI's context-length message calls the prompt
 
     def __init__(
-        self, tokenizer: TextTokenizer, model: str, include_usage: bool, with_logprobs: bool
+        self,
+        tokenizer: TextTokenizer,
+        model: str,
+        include_usage: bool,
+        with_logprobs: bool,
+        continuous_usage: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.model = model
         self.include_usage = include_usage
+        self.continuous_usage = continuous_usage
         self.with_logprobs = with_logprobs
         self.id = f"{self.id_prefix}{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -60,7 +66,8 @@ class ReplyShape(ABC):
         }
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> dict[str, Any]:
-        """One SSE chunk; with include_usage every chunk has ``usage`` (null but in the last)."""
+        """One SSE chunk; with include_usage every chunk has ``usage`` (null but in the last, unless
+        ``stream_options.continuous_usage_stats`` asks for it in every one)."""
         body: dict[str, Any] = {
             "id": self.id,
             "object": self.chunk_object,
@@ -72,9 +79,9 @@ class ReplyShape(ABC):
             body["usage"] = usage
         return body
 
-    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
-        """Choices sent before any output."""
-        return []
+    def opening_choice(self, index: int) -> dict[str, Any] | None:
+        """What opens choice ``index``, sent with its first output token (None: nothing)."""
+        return None
 
     def stream_choice(self, index: int, delta: ChoiceDelta) -> dict[str, Any] | None:
         """The chunk choice for one delta; None when it carries nothing (text held back for a stop)."""
@@ -116,12 +123,11 @@ class ChatShape(ReplyShape):
     id_prefix = "chatcmpl-"
     prompt_noun = "messages"
 
-    def opening_choices(self, num_choices: int) -> list[dict[str, Any]]:
-        """OpenAI opens every choice with the role and empty content."""
+    def opening_choice(self, index: int) -> dict[str, Any] | None:
+        """The role and empty content, as OpenAI and vLLM open a choice: with its first token, so a
+        client timing the first chunk with choices measures the real time to first token."""
         delta = {"role": "assistant", "content": ""}
-        return [
-            {"index": i, "delta": delta, "logprobs": None, "finish_reason": None} for i in range(num_choices)
-        ]
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def choice(
         self, index: int, text: str, logprobs: Any, finish_reason: str | None, *, stream: bool
@@ -152,9 +158,14 @@ class CompletionShape(ReplyShape):
     prompt_noun = "prompt"
 
     def __init__(
-        self, tokenizer: TextTokenizer, model: str, include_usage: bool, with_logprobs: bool
+        self,
+        tokenizer: TextTokenizer,
+        model: str,
+        include_usage: bool,
+        with_logprobs: bool,
+        continuous_usage: bool = False,
     ) -> None:
-        super().__init__(tokenizer, model, include_usage, with_logprobs)
+        super().__init__(tokenizer, model, include_usage, with_logprobs, continuous_usage)
         self._text_offsets: dict[int, int] = {}  # per choice: characters of token text reported so far
 
     def choice(

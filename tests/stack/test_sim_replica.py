@@ -129,6 +129,43 @@ def test_prefill_time_and_the_time_a_cache_hit_saves(sim: SimStack) -> None:
     assert saved == pytest.approx(predicted_cold - predicted_warm, abs=0.15)
 
 
+def chat_events(sim: SimStack, content: str, **options: Any) -> list[tuple[float, dict[str, Any]]]:
+    """Each chunk of a streamed chat with its arrival time (seconds after the request was sent)."""
+    body = {"model": sim.model, "messages": [{"role": "user", "content": content}], "max_tokens": 4}
+    events = []
+    started = time.perf_counter()
+    with httpx.stream("POST", f"{sim.url}/v1/chat/completions", json=body | options, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                events.append((time.perf_counter() - started, json.loads(line.removeprefix("data: "))))
+    return events
+
+
+def test_the_role_chunk_comes_with_the_first_token_not_before_the_prefill(sim: SimStack) -> None:
+    """As OpenAI and vLLM send it: a client timing the first chunk with choices (vllm bench serve
+    --backend openai-chat) measures the real time to first token."""
+    events = chat_events(sim, "x " * 600 + "(role)", stream=True)  # ~0.6 s of simulated prefill
+    (role_at, role), (text_at, text) = events[0], events[1]
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert text["choices"][0]["delta"].get("content")
+    assert role_at > 0.5, "the role chunk waited for the prefill"
+    assert text_at - role_at < 0.05, "and the first token followed it at once"
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk(sim: SimStack) -> None:
+    options = {"stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = [chunk for _, chunk in chat_events(sim, "count with me", **options)]
+    assert all(chunk["usage"] is not None for chunk in events)
+    completed = [chunk["usage"]["completion_tokens"] for chunk in events]
+    assert completed == sorted(completed) and completed[-1] == 4
+    assert {chunk["usage"]["prompt_tokens"] for chunk in events} == {events[-1]["usage"]["prompt_tokens"]}
+    plain = [
+        chunk
+        for _, chunk in chat_events(sim, "count with me", stream=True, stream_options={"include_usage": True})
+    ]
+    assert [chunk["usage"] is None for chunk in plain] == [True] * (len(plain) - 1) + [False]
+
+
 def test_decode_step_times_by_batch_size(sim: SimStack) -> None:
     prompt = token_prompt(100, 7)
     for n in (1, 8):
