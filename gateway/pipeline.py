@@ -32,7 +32,7 @@ from gateway.fleet.replica import Replica
 from gateway.metrics import GatewayMetrics, ModelMetrics
 from gateway.policies import POLICIES, Policy
 from gateway.proxy.connection import UpstreamError, UpstreamResponse
-from gateway.proxy.relay import SSERelay, UpstreamUnavailable, forwarded_body, open_upstream
+from gateway.proxy.relay import SSERelay, Upstream, UpstreamUnavailable, forwarded_body, open_upstream
 from gateway.proxy.upstream import UpstreamPool
 from gateway.routing import RoutePlan, Router
 from gateway.tokenizer_registry import TokenizerError, TokenizerRegistry
@@ -191,41 +191,17 @@ class Pipeline:
         # burst of requests with one new prefix) must see its load and its predicted blocks.
         replica = plan.ordered[0]
         ticket = self.router.commit(plan, replica, prompt_tokens, body.num_sequences)
-        by_url = {r.url: r for r in plan.ordered}
-        watched: list[tuple[Replica, Callable[[str], None]]] = []
-
-        def watch(url: str, response: UpstreamResponse) -> None:
-            self.fleet.watch(by_url[url], response.abandon)
-            watched.append((by_url[url], response.abandon))
-
         try:
-            opening = open_upstream(
-                self.upstream,
-                list(by_url),
-                request.scope["path"],
-                forward,
-                whole=not body.stream,
-                first_data_within=self.ttfb_timeout_s if body.stream else None,
-                on_response=watch,
-            )
-            # A whole reply (or a stream's first bytes) can take minutes: a client that leaves
-            # meanwhile cancels it, which closes the replica connection, so the replica aborts the
-            # request (a stream's client is watched the same way in _relay_stream).
-            if (upstream := await unless_client_leaves(request.receive, opening)) is None:
-                raise ClientDisconnect()
+            upstream = await self._open(request, body, forward, plan.ordered)
         except UpstreamUnavailable as error:
             self.fleet.done(ticket)
-            self._unwatch(watched)
             self.fleet.report_failures(plan.ordered, error.failures)
             raise APIError(
                 f"No replica could take the request: {error}", 503, code="service_unavailable"
             ) from None
         except BaseException:  # cancelled: the request is no longer in flight
             self.fleet.done(ticket)
-            self._unwatch(watched)
             raise
-        abandon = upstream.response.abandon
-        self._unwatch([(r, a) for r, a in watched if a != abandon])
         self.fleet.report_failures(plan.ordered, upstream.failures)
         if upstream.url != replica.url:  # retried elsewhere: move the count and the prediction
             self.fleet.done(ticket)
@@ -243,12 +219,47 @@ class Pipeline:
             retries=len(upstream.failures),
         )
         return _Dispatched(
-            replica, ticket, response, predicted, metrics, started, client_wants_usage, abandon
+            replica, ticket, response, predicted, metrics, started, client_wants_usage, response.abandon
         )
 
-    def _unwatch(self, watched: list[tuple[Replica, Callable[[str], None]]]) -> None:
-        for replica, abandon in watched:
-            self.fleet.unwatch(replica, abandon)
+    async def _open(
+        self,
+        request: Request,
+        body: ChatCompletionRequest | CompletionRequest,
+        forward: bytes,
+        ordered: list[Replica],
+    ) -> Upstream:
+        """``open_upstream`` down ``ordered``, each attempt watched by the fleet (given up if its
+        replica leaves the index or is ejected); the one that answers stays watched."""
+        by_url = {replica.url: replica for replica in ordered}
+        watched: list[tuple[Replica, Callable[[str], None]]] = []
+
+        def watch(url: str, response: UpstreamResponse) -> None:
+            self.fleet.watch(by_url[url], response.abandon)
+            watched.append((by_url[url], response.abandon))
+
+        opening = open_upstream(
+            self.upstream,
+            list(by_url),
+            request.scope["path"],
+            forward,
+            whole=not body.stream,
+            first_data_within=self.ttfb_timeout_s if body.stream else None,
+            on_response=watch,
+        )
+        upstream = None
+        try:
+            # A whole reply (or a stream's first bytes) can take minutes: a client that leaves
+            # meanwhile cancels it, which closes the replica connection, so the replica aborts the
+            # request (a stream's client is watched the same way in _relay_stream).
+            if (upstream := await unless_client_leaves(request.receive, opening)) is None:
+                raise ClientDisconnect()
+            return upstream
+        finally:
+            kept = None if upstream is None else upstream.response.abandon
+            for replica, abandon in watched:
+                if abandon != kept:
+                    self.fleet.unwatch(replica, abandon)
 
     def _over(self, sent: _Dispatched) -> None:
         """The request is no longer in flight at its replica."""
