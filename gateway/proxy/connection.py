@@ -106,8 +106,8 @@ class UpstreamResponse:
         return bool(self._chunks) or self.complete
 
     async def first_data(self, within_s: float) -> None:
-        """Waits for the first body bytes (or the end, or a failure); a replica silent for
-        ``within_s`` seconds is given up."""
+        """Waits for the headers and the first body bytes (or the end, or a failure); a replica
+        silent for ``within_s`` seconds is given up."""
         try:
             async with asyncio.timeout(within_s):
                 while not self.has_data and self.failure is None:

@@ -103,8 +103,9 @@ class UpstreamPool:
                 on_response(response)
             connection.send(response, request)
             try:
-                await response.arrival(body=whole)
-                if first_data_within is not None and response.headers_done and response.failure is None:
+                if first_data_within is None:
+                    await response.arrival(body=whole)
+                else:  # the deadline covers the status line and headers too
                     await response.first_data(first_data_within)
             except BaseException:
                 response.close()
