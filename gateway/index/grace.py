@@ -16,6 +16,11 @@ log = logging.getLogger("kvroute.gateway.mirror")
 STALL_POLLS = 2.0
 """Polls' worth of time without a successful one after which expired heartbeats are doubted."""
 
+STALL_MIN_S = 1.0
+"""...and never less than this: a stall shorter than a heartbeat's TTL less its interval (1.5 s by
+default) expires nothing, while a busy host can delay a fast poll by a few hundred milliseconds,
+and a replica that really crashed must still drop at once."""
+
 
 class MissingGrace:
     """``seconds``: how long the replicas are kept; ``poll_interval``: the mirror's."""
@@ -26,6 +31,7 @@ class MissingGrace:
         self._restart_until = 0.0  # Redis restarted empty: every missing replica is kept until then
         self._expiry_until = 0.0  # heartbeats expired by a fault: registered ones are kept until then
         self._last_poll: float | None = None
+        self._stall_after = max(STALL_POLLS * poll_interval, STALL_MIN_S)
 
     def restarted(self, now: float) -> None:
         """Redis's run id changed."""
@@ -36,7 +42,7 @@ class MissingGrace:
         if the poll before was too long ago (this gateway could not reach Redis either) or if most
         expired together."""
         if expired and now >= self._expiry_until:
-            stalled = self._last_poll is not None and now - self._last_poll > STALL_POLLS * self.poll_interval
+            stalled = self._last_poll is not None and now - self._last_poll > self._stall_after
             together = len(expired) >= 2 and 2 * len(expired) >= known
             if stalled or together:
                 self._expiry_until = now + self.seconds

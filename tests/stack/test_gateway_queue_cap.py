@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -38,24 +39,26 @@ def stack(llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 
 class LongStream:
-    """A streaming chat that occupies (or waits for) its replica until closed. Its line iterator is
-    kept: dropping a half-read iterator closes the response, and the replica would abort."""
+    """A streaming chat that occupies (or waits for) its replica until closed. It is sent from a
+    thread of its own: the gateway answers once the replica sends the first chunk, which a waiting
+    request sends only when it runs, so the headers naming its replica come late."""
 
-    def __init__(self, client: httpx.Client, model: str) -> None:
+    def __init__(self, base_url: str, model: str) -> None:
         body = {"model": model, "messages": MESSAGES, "max_tokens": 3900, "stream": True, "ignore_eos": True}
-        self.response = client.send(
-            client.build_request("POST", "/v1/chat/completions", json=body), stream=True
-        )
-        assert self.response.status_code == 200
-        self.lines = self.response.iter_lines()
-        next(self.lines)  # the replica has taken it
+        self.client = httpx.Client(base_url=base_url, timeout=60)
+        self.request = self.client.build_request("POST", "/v1/chat/completions", json=body)
+        self.pool = ThreadPoolExecutor(max_workers=1)
+        self.response = self.pool.submit(self.client.send, self.request, stream=True)
 
     @property
     def replica(self) -> str:
-        return self.response.headers["x-kvroute-replica"]
+        response = self.response.result(timeout=60)
+        assert response.status_code == 200
+        return response.headers["x-kvroute-replica"]
 
     def close(self) -> None:
-        self.response.close()
+        self.client.close()  # aborts the stream, or the request still waiting for its headers
+        self.pool.shutdown(cancel_futures=True)
 
 
 def test_a_full_queue_sends_requests_elsewhere_then_429(stack: StackProcesses) -> None:
@@ -67,13 +70,13 @@ def test_a_full_queue_sends_requests_elsewhere_then_429(stack: StackProcesses) -
         try:
             client.post("/v1/chat/completions", json=body)  # one replica now holds the prefix
             for _ in range(4):
-                streams.append(LongStream(client, stack.model))
+                streams.append(LongStream(stack.gateway.url, stack.model))
                 time.sleep(SETTLE_S)  # let heartbeats report it running or waiting
-            placed = sorted(Counter(stream.replica for stream in streams).values())
-            assert placed == [2, 2], "each replica: one running, one waiting, then capped"
             refused = client.post("/v1/chat/completions", json=body)
             assert refused.status_code == 429
             assert refused.json()["error"]["code"] == "rate_limit_exceeded"
+            placed = sorted(Counter(stream.replica for stream in streams).values())
+            assert placed == [2, 2], "each replica: one running, one waiting, then capped"
         finally:
             for stream in streams:
                 stream.close()

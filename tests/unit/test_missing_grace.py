@@ -29,6 +29,14 @@ def test_expiries_after_a_stall_of_this_gateway_are_kept() -> None:
     assert grace.keeps("a", frozenset({"a"}), 4.0)
 
 
+def test_a_late_fast_poll_is_not_a_stall() -> None:
+    """A busy host delays a 0.1 s poll by 0.4 s: too short for a stall to expire a heartbeat."""
+    grace = MissingGrace(seconds=5, poll_interval=0.1)
+    grace.polled(0.0, set(), 2)
+    grace.polled(0.5, {"a"}, 2)
+    assert not grace.keeps("a", frozenset({"a"}), 0.5)
+
+
 def test_a_redis_restart_keeps_every_missing_replica() -> None:
     grace = MissingGrace(seconds=5, poll_interval=0.5)
     grace.restarted(10.0)
