@@ -302,8 +302,11 @@ class KVPublisher:
 
     def _lost(self, error: Exception) -> None:
         """Any failed write leaves Redis in an unknown state: only a republish under a new epoch
-        repairs it. Redis errors are the expected cause; anything else also gets its traceback."""
+        repairs it, and the publish loop makes it: it is woken here, or a replica whose cache does
+        not change would wait for a cache event that never comes, and never register again. Redis
+        errors are the expected cause; anything else also gets its traceback."""
         self._connected = False
+        self._has_events.set()
         if not self._outage_reported:
             self._outage_reported = True
             log.warning(

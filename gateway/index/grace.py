@@ -31,6 +31,7 @@ class MissingGrace:
         self._restart_until = 0.0  # Redis restarted empty: every missing replica is kept until then
         self._expiry_until = 0.0  # heartbeats expired by a fault: registered ones are kept until then
         self._last_poll: float | None = None
+        self._graced: set[str] = set()  # the expired replicas the current or last grace kept
         self._stall_after = max(STALL_POLLS * poll_interval, STALL_MIN_S)
 
     def restarted(self, now: float) -> None:
@@ -40,18 +41,24 @@ class MissingGrace:
     def polled(self, now: float, expired: set[str], known: int) -> None:
         """A poll found ``expired`` (registered, no heartbeat) of ``known`` replicas: a grace starts
         if the poll before was too long ago (this gateway could not reach Redis either) or if most
-        expired together."""
-        if expired and now >= self._expiry_until:
+        expired together. Replicas a grace has kept do not start another when it ends: their
+        heartbeats did not come back, so they leave."""
+        self._graced &= expired  # those that refreshed may be graced again after a later fault
+        fresh = expired - self._graced
+        if fresh and now >= self._expiry_until:
             stalled = self._last_poll is not None and now - self._last_poll > self._stall_after
-            together = len(expired) >= 2 and 2 * len(expired) >= known
+            together = len(fresh) >= 2 and 2 * len(fresh) >= known
             if stalled or together:
                 self._expiry_until = now + self.seconds
+                self._graced = set(fresh)
                 log.warning(
                     "%d replica heartbeats expired %s; keeping those replicas for %g s while they refresh",
-                    len(expired),
+                    len(fresh),
                     "while Redis could not be polled" if stalled else "at once",
                     self.seconds,
                 )
+        elif now < self._expiry_until:
+            self._graced |= fresh  # expired during the grace: kept by it, and leaving with it
         self._last_poll = now
 
     def keeps(self, replica_id: str, expired: frozenset[str], now: float) -> bool:

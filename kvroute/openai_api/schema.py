@@ -37,6 +37,7 @@ from pydantic_core import PydanticCustomError
 from kvroute.openai_api.errors import APIError
 
 MAX_N = 16  # choices per prompt
+MAX_TOKENS_LIMIT = 2**31 - 1  # no window is larger; bigger numbers are nonsense, not requests
 MAX_PROMPTS = 64  # prompts in one batched completions request
 MAX_STOP = 16  # stop strings (OpenAI allows 4; vLLM any number)
 MAX_LOGPROBS = 20  # alternatives per token, as vLLM's default max_logprobs
@@ -175,7 +176,7 @@ class _GenerationRequest(_TopLevel):
     so the server can fall back to the model's generation_config.json."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)  # vLLM extension; -1 and 0 disable it
@@ -232,7 +233,7 @@ class _GenerationRequest(_TopLevel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: Messages
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[Tool] | None = None
@@ -284,7 +285,7 @@ def _is_token_ids(value: Any) -> bool:
 
 class CompletionRequest(_GenerationRequest):
     prompt: list[Prompt]  # normalised: one entry per prompt of the batch
-    max_tokens: int = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int = Field(COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 

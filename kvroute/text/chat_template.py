@@ -209,6 +209,8 @@ def _parse_tool_calls(tool_calls: Any) -> Any:
                 arguments = json.loads(arguments)
             except json.JSONDecodeError as e:
                 raise ValueError(f"tool call arguments are not valid JSON: {e}") from e
+            except RecursionError:
+                raise ValueError("tool call arguments are nested too deeply") from None
         elif not arguments:
             arguments = {}
         parsed.append({**call, "function": {**function, "arguments": arguments}})

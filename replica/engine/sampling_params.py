@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW = 1e-5
+"""Temperatures this small sample the argmax anyway, and dividing logits by them overflows to inf
+(NaN probabilities would fail the whole batch): they are greedy, as in vLLM."""
+
 
 @dataclass
 class SamplingParams:
-    """What one request asks of the sampler. ``temperature == 0`` means greedy."""
+    """What one request asks of the sampler. A temperature under ``GREEDY_BELOW`` means greedy."""
 
     max_tokens: int = 16
     temperature: float = 1.0
@@ -25,7 +29,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def has_penalties(self) -> bool:

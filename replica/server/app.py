@@ -46,6 +46,7 @@ from kvroute.openai_api.schema import (
     TokenizeRequest,
     parse_request,
 )
+from kvroute.text.tokenizer import TextTokenizer
 from replica.engine.async_engine import AsyncEngine
 from replica.engine.config import EngineConfig
 from replica.kvcache.events import KVEventOutbox
@@ -56,6 +57,15 @@ from replica.server.openai_serving import OpenAIServing
 log = logging.getLogger("kvroute.replica")
 
 GRACEFUL_SHUTDOWN_S = 30  # in-flight requests get this long to finish on SIGTERM
+
+
+def _tokenize(tokenizer: TextTokenizer, body: TokenizeRequest) -> list[int]:
+    """vLLM's /tokenize: plain text adds special tokens by default, a chat does not."""
+    if body.prompt is not None:
+        return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
+    messages, tools, template_kwargs = body.template_inputs()
+    text = tokenizer.render_chat(messages, tools, body.add_generation_prompt, **template_kwargs)
+    return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
 
 class _ReplicaAPI:
@@ -122,21 +132,21 @@ class _ReplicaAPI:
         return JSONResponse(self._model_card())
 
     async def tokenize(self, request: Request) -> Response:
-        """vLLM's /tokenize: plain text adds special tokens by default, a chat does not."""
+        """vLLM's /tokenize (``_tokenize``)."""
         body = parse_request(TokenizeRequest, await read_body(request, self.request_limits))
         self._check_model(body.model)
         tokenizer = self.engine.tokenizer
-        if body.prompt is not None:
-            tokens = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens is not False)
-        else:
-            messages, tools, template_kwargs = body.template_inputs()
-            try:
-                text = tokenizer.render_chat(messages, tools, body.add_generation_prompt, **template_kwargs)
-            except ValueError as error:
-                raise APIError(
-                    f"Invalid 'messages': {error}", param="messages", code="invalid_value"
-                ) from None
-            tokens = tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
+        if body.messages is not None and len(body.messages) > self.engine.max_model_len:
+            raise APIError(  # a token a message at least: no prompt of this model
+                f"Invalid 'messages': {len(body.messages)} messages are more than this model's"
+                f" {self.engine.max_model_len} tokens of context.",
+                param="messages",
+                code="context_length_exceeded",
+            )
+        try:  # rendering and encoding a long chat takes a while: off the event loop
+            tokens = await asyncio.to_thread(_tokenize, tokenizer, body)
+        except ValueError as error:
+            raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
         return JSONResponse(
             {"count": len(tokens), "max_model_len": self.engine.max_model_len, "tokens": tokens}
         )

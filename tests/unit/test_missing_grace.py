@@ -42,3 +42,23 @@ def test_a_redis_restart_keeps_every_missing_replica() -> None:
     grace.restarted(10.0)
     assert grace.keeps("gone-from-the-empty-redis", frozenset(), 14.0)
     assert not grace.keeps("gone-from-the-empty-redis", frozenset(), 15.5)
+
+
+def test_replicas_kept_by_a_grace_leave_when_it_ends() -> None:
+    """Their heartbeats never came back: the grace's end must not start another for them."""
+    grace = MissingGrace(seconds=5, poll_interval=0.5)
+    grace.polled(0.0, set(), 2)
+    expired = frozenset({"a", "b"})
+    for at in (0.5, 1.0, 5.0, 5.5, 6.0):
+        grace.polled(at, set(expired), 2)
+    assert not grace.keeps("a", expired, 6.0) and not grace.keeps("b", expired, 6.0)
+
+
+def test_a_replica_that_refreshed_is_graced_again_after_a_later_fault() -> None:
+    grace = MissingGrace(seconds=5, poll_interval=0.5)
+    grace.polled(0.0, set(), 2)
+    grace.polled(0.5, {"a", "b"}, 2)
+    grace.polled(1.0, set(), 2)  # both heartbeats back
+    grace.polled(20.0, set(), 2)
+    grace.polled(20.5, {"a", "b"}, 2)
+    assert grace.keeps("a", frozenset({"a", "b"}), 21.0)
