@@ -13,7 +13,7 @@ from typing import Any
 from launcher.local_redis import RedisServer
 from loadtests.bench_gateway.clients import measure_upstream_clients
 from loadtests.bench_gateway.load import measure_mode
-from loadtests.bench_gateway.services import Service, start_services
+from loadtests.bench_gateway.services import start_services
 from loadtests.bench_gateway.settings import (
     BENCH,
     CHAT_CHARS,
@@ -30,6 +30,7 @@ from loadtests.bench_gateway.tables import checks, preamble, tables
 from loadtests.bench_gateway.tokenization import measure_tokenization
 from loadtests.harness import ComponentBenchmark, Measurement, package_version
 from loadtests.options import Sizes
+from loadtests.services import Service
 
 
 def add_options(parser: argparse.ArgumentParser) -> None:

