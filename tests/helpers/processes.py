@@ -4,6 +4,8 @@ time (``KvrouteProcess``, ``ReplicaProcess``), or a whole stack started by the l
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -109,6 +111,18 @@ class StackProcesses:
 
     def replica(self, replica_id: str) -> Service:
         return next(r for r in self.replicas if r.replica_id == replica_id)
+
+
+@contextmanager
+def stopped(*pids: int) -> Iterator[None]:
+    """The processes SIGSTOPped until the block ends: hung, their sockets open, nothing answering."""
+    for pid in pids:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for pid in pids:
+            os.kill(pid, signal.SIGCONT)
 
 
 @contextmanager

@@ -10,11 +10,10 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from replica.engine.sampling_params import SamplingParams
 from replica.kvcache.events import KVEventOutbox
 from replica.publisher import KVPublisher, PublisherConfig
 from tests.conftest import EngineFactory
-from tests.helpers.processes import ReplicaProcess
+from tests.helpers.processes import ReplicaProcess, stopped
 from tests.helpers.waiting import wait_until, wait_until_async
 from tests.unit.test_engine_logits import random_prompt
 
@@ -151,15 +150,10 @@ def in_sync(client: redis.Redis, publisher: KVPublisher, engine: LLMEngine) -> b
     return redis_blocks(client) == publisher.blocks == engine.cache.block_hashes()
 
 
-@contextmanager
-def frozen(server: RedisServer) -> Iterator[None]:
+def frozen(server: RedisServer) -> AbstractContextManager[None]:
     """The real redis-server hung: connections still open (the kernel accepts), nothing answers."""
     assert server.process is not None
-    os.kill(server.process.pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        os.kill(server.process.pid, signal.SIGCONT)
+    return stopped(server.process.pid)
 
 
 async def test_registers_with_a_full_heartbeat_and_a_cleared_event(redis_server: RedisServer) -> None:

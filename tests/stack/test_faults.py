@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
-import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -40,7 +38,14 @@ from tests.helpers.faults import (
     stream_chat,
 )
 from tests.helpers.metrics import sample_value
-from tests.helpers.processes import KvrouteProcess, ReplicaProcess, Service, StackProcesses, running_stack
+from tests.helpers.processes import (
+    KvrouteProcess,
+    ReplicaProcess,
+    Service,
+    StackProcesses,
+    running_stack,
+    stopped,
+)
 from tests.helpers.waiting import wait_until_async
 
 pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
@@ -286,11 +291,8 @@ async def test_redis_sigkill_and_sigstop_under_load(llama_dir: Path, tmp_path: P
             async def stall() -> None:
                 assert redis.process is not None
                 pid = redis.process.pid
-                os.kill(pid, signal.SIGSTOP)
-                try:
+                with stopped(pid):
                     await asyncio.sleep(REDIS_STALL_S)  # the fault's length, not a wait for something
-                finally:
-                    os.kill(pid, signal.SIGCONT)
 
             faults = [("Redis SIGKILL + restart", kill_and_restart)] + [
                 (f"Redis SIGSTOP {REDIS_STALL_S:g} s #{n}", stall) for n in (1, 2, 3)
@@ -360,12 +362,9 @@ async def test_replica_sigstop_under_load(llama_dir: Path, tmp_path: Path) -> No
                 lambda: len(caught_mid_stream()) >= 2, "streams under way on the victim", timeout=20
             )
             caught = caught_mid_stream()
-            os.kill(victim.process.pid, signal.SIGSTOP)
-            stopped = time.monotonic()
-            try:
+            stopped_at = time.monotonic()
+            with stopped(victim.process.pid):
                 await asyncio.sleep(REPLICA_STALL_S)  # the fault's length, not a wait for something
-            finally:
-                os.kill(victim.process.pid, signal.SIGCONT)
             resumed = time.monotonic()
 
             async def back() -> bool:
@@ -375,11 +374,11 @@ async def test_replica_sigstop_under_load(llama_dir: Path, tmp_path: Path) -> No
             await wait_until_async(back, "the resumed replica back in rotation", timeout=15)
             back_after = time.monotonic() - resumed
 
-    during = [o for o in load.outcomes if stopped <= o.started < resumed]
+    during = [o for o in load.outcomes if stopped_at <= o.started < resumed]
     failed = [o for o in during if not o.ok]
     worst = max(o.latency for o in during)
     served = collections.Counter(o.replica for o in during)
-    ended_after = [o.ended - stopped for o in caught if o.ended is not None]
+    ended_after = [o.ended - stopped_at for o in caught if o.ended is not None]
     print(
         f"\n[replica SIGSTOP {REPLICA_STALL_S:g} s] {len(during)} requests started during the stall:"
         f" {len(failed)} failed, longest {worst:.2f} s (target < TTFB {STALL_TTFB_S:g} s + 1 s), served by"
@@ -393,7 +392,7 @@ async def test_replica_sigstop_under_load(llama_dir: Path, tmp_path: Path) -> No
     assert set(served) == {survivor.replica_id}
     for outcome in caught:
         assert outcome.error is not None and outcome.error["code"] == "upstream_failed", outcome
-        assert outcome.done and outcome.ended is not None and outcome.ended - stopped < 5.0
+        assert outcome.done and outcome.ended is not None and outcome.ended - stopped_at < 5.0
 
 
 # --- 4. fake replicas that answer discovery, then misbehave ---------------------------------------

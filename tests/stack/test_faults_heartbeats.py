@@ -9,8 +9,6 @@ latest run's.
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ import pytest
 from kvroute.protocol import Keys
 from launcher.local_redis import RedisServer
 from tests.helpers.faults import sim_args
-from tests.helpers.processes import ReplicaProcess, running_stack
+from tests.helpers.processes import ReplicaProcess, running_stack, stopped
 from tests.helpers.waiting import wait_until_async
 
 pytestmark = pytest.mark.anyio  # async tests run on asyncio (tests/conftest.py)
@@ -42,11 +40,8 @@ async def test_an_idle_replica_registers_again_after_a_redis_stall(
         assert epoch is not None
         assert redis_server.process is not None
         pid = redis_server.process.pid
-        os.kill(pid, signal.SIGSTOP)
-        try:
+        with stopped(pid):
             await asyncio.sleep(REDIS_STALL_S)  # the fault's length, not a wait for something
-        finally:
-            os.kill(pid, signal.SIGCONT)
         resumed = time.monotonic()
         try:
             await wait_until_async(
@@ -87,15 +82,13 @@ async def test_replicas_whose_heartbeats_all_stop_leave_after_the_grace(
             async def none_listed() -> bool:
                 return await listed() == 0
 
-            for pid in pids:
-                os.kill(pid, signal.SIGSTOP)
-            stopped = time.monotonic()
-            try:
+            stopped_at = time.monotonic()
+            with stopped(*pids):
                 try:
                     await wait_until_async(
                         none_listed, "the gateway to list no replica", timeout=2.0 + GRACE_S + 2.0
                     )
-                    gone: float | None = time.monotonic() - stopped
+                    gone: float | None = time.monotonic() - stopped_at
                 except AssertionError:
                     gone = None
                 still = await listed()
@@ -112,9 +105,6 @@ async def test_replicas_whose_heartbeats_all_stop_leave_after_the_grace(
                 except httpx.TimeoutException:
                     reply = None
                 answered_in = time.monotonic() - started
-            finally:
-                for pid in pids:
-                    os.kill(pid, signal.SIGCONT)
     status = "no answer within 5 s" if reply is None else reply.status_code
     print(
         f"\n[both replicas SIGSTOPped] the gateway listed none"
