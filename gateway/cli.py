@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 
 from gateway.settings import GatewaySettings
+from kvroute.http import RequestLimits
 from kvroute.http_server import ServerLimits
 from kvroute.settings import HOST_HELP, LOG_LEVEL_HELP, add_command, add_options, examples, from_args, option
 
@@ -39,13 +40,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     add_options(parser, GatewayServer)
     add_options(parser, ServerLimits)
+    add_options(parser, RequestLimits)
     add_options(parser, GatewaySettings)
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> None:
-    settings: GatewaySettings = from_args(GatewaySettings, args)
+    settings: GatewaySettings = from_args(
+        GatewaySettings, args, request_limits=from_args(RequestLimits, args)
+    )
     if settings.redis_url is None and not settings.replicas:
         sys.exit("kvroute gateway: give --redis URL, or --replica URL (repeatable), or both")
     from gateway.app import run_gateway

@@ -6,13 +6,13 @@ environment fallback beside the default); the others are set only from code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gateway.health import DEFAULT_EJECT_AFTER, DEFAULT_PROBE_INTERVAL_S
 from gateway.rate_limit import KeyRateLimits
-from kvroute.http import DEFAULT_BODY_TIMEOUT_S, RequestLimits
+from kvroute.http import RequestLimits
 from kvroute.protocol import DEFAULT_PREFIX
-from kvroute.settings import DEFAULT_MAX_BODY_BYTES, option
+from kvroute.settings import option
 
 POLICIES = ("kv", "round-robin", "least-loaded", "random", "session")  # gateway.policies
 KEYS = "access keys"  # the help's group of the key options
@@ -56,20 +56,8 @@ class GatewaySettings:
     )
     # how long routed blocks count as held before the replica's events confirm them
     prediction_ttl_s: float = option(2.0, "--prediction-ttl", "seconds routed blocks count as cached")
-    max_body_bytes: int = option(
-        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", "request body limit in bytes; 413 above"
-    )
-    body_timeout_s: float = option(
-        DEFAULT_BODY_TIMEOUT_S,
-        "--body-timeout",
-        "seconds a client may take to send a body; 408 after",
-    )
-    max_prompt_chars: int | None = option(
-        None,
-        "--max-prompt-chars",
-        "prompt characters accepted at most, refused with 400 before tokenizing (default: what the"
-        " model's window allows)",
-    )
+    # --max-body-bytes, --body-timeout, --max-prompt-chars (the replica's flags too)
+    request_limits: RequestLimits = field(default_factory=RequestLimits)
     api_keys: tuple[str, ...] = option(  # see gateway.auth
         (),
         "--api-key",
@@ -120,10 +108,6 @@ class GatewaySettings:
         "seconds a stream may wait for its first bytes from a replica; then the next replica gets it",
     )
     tokenizer_cache_bytes: int = 256 * 1024 * 1024  # token ids cached for repeated and multi-turn chats
-
-    @property
-    def request_limits(self) -> RequestLimits:
-        return RequestLimits(self.max_body_bytes, self.body_timeout_s, self.max_prompt_chars)
 
     @property
     def rate_limits(self) -> KeyRateLimits | None:

@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from kvroute.openai_api.errors import APIError, internal_error
-from kvroute.settings import DEFAULT_MAX_BODY_BYTES
+from kvroute.settings import DEFAULT_MAX_BODY_BYTES, option
 
 DEFAULT_BODY_TIMEOUT_S = 30.0
 
@@ -123,11 +123,21 @@ async def http_error(request: Request, exc: Exception) -> Response:
 @dataclass(frozen=True)
 class RequestLimits:
     """What a server accepts of one request: body size, the time its body may take to arrive, and
-    (when set) prompt characters, beyond what the model's window allows (``kvroute.text.bounds``)."""
+    (when set) prompt characters, beyond what the model's window allows (``kvroute.text.bounds``).
+    The same flags on the gateway and on a replica."""
 
-    max_body_bytes: int
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    max_prompt_chars: int | None = None
+    max_body_bytes: int = option(
+        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", "request body limit in bytes; 413 above"
+    )
+    body_timeout_s: float = option(
+        DEFAULT_BODY_TIMEOUT_S, "--body-timeout", "seconds a client may take to send a body; 408 after"
+    )
+    max_prompt_chars: int | None = option(
+        None,
+        "--max-prompt-chars",
+        "prompt characters accepted at most, refused with 400 before tokenizing (default: what the"
+        " model's window allows)",
+    )
 
 
 async def read_body(request: Request, limit: RequestLimits) -> bytes:
@@ -156,7 +166,7 @@ async def read_body(request: Request, limit: RequestLimits) -> bytes:
     return b"".join(chunks)
 
 
-DEFAULT_REQUEST_LIMITS = RequestLimits(DEFAULT_MAX_BODY_BYTES)
+DEFAULT_REQUEST_LIMITS = RequestLimits()
 
 
 def _too_large(limit: int) -> APIError:

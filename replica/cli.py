@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from kvroute.http import DEFAULT_BODY_TIMEOUT_S, RequestLimits
+from kvroute.http import RequestLimits
 from kvroute.http_server import ServerLimits
 from kvroute.protocol import default_advertise_url, replica_id_for
 from kvroute.settings import (
-    DEFAULT_MAX_BODY_BYTES,
     HOST_HELP,
     LOG_LEVEL_HELP,
     add_command,
@@ -31,20 +30,6 @@ class ReplicaServer:
 
     host: str = option("127.0.0.1", "--host", HOST_HELP)
     port: int = option(8001, "--port", "port to listen on")
-    max_body_bytes: int = option(
-        DEFAULT_MAX_BODY_BYTES, "--max-body-bytes", "request body limit in bytes; 413 above"
-    )
-    body_timeout_s: float = option(
-        DEFAULT_BODY_TIMEOUT_S,
-        "--body-timeout",
-        "seconds a client may take to send a body; 408 after",
-    )
-    max_prompt_chars: int | None = option(
-        None,
-        "--max-prompt-chars",
-        "prompt characters accepted at most, refused with 400 before tokenizing (default: what the"
-        " model's window allows)",
-    )
     api_key: str | None = option(
         None,
         "--api-key",
@@ -53,10 +38,6 @@ class ReplicaServer:
         env="KVROUTE_REPLICA_KEY",
     )
     log_level: str = option("info", "--log-level", LOG_LEVEL_HELP)
-
-    @property
-    def request_limits(self) -> RequestLimits:
-        return RequestLimits(self.max_body_bytes, self.body_timeout_s, self.max_prompt_chars)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -76,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     )
     add_options(parser, EngineConfig)
     add_options(parser, ReplicaServer)
+    add_options(parser, RequestLimits)
     add_options(parser, ServerLimits)
     add_options(parser, PublisherConfig, group="cache index (Redis)")
     parser.set_defaults(run=run)
@@ -93,7 +75,7 @@ def run(args: argparse.Namespace) -> None:
         config,
         server.host,
         server.port,
-        request_limits=server.request_limits,
+        request_limits=from_args(RequestLimits, args),
         limits=from_args(ServerLimits, args),
         log_level=server.log_level,
         publisher_config=publisher_config(args, server),
