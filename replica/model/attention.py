@@ -2,8 +2,8 @@
 
 Tokens of one step are laid out flat: first one token per decoding sequence, then each prefill
 chunk. New K/V are written into their pool slots first; attention then reads every sequence's
-whole context back from the pool, so cached prefixes, earlier chunks and this step's tokens are
-all one thing.
+whole context back from the pool, whole pages at a time, so cached prefixes, earlier chunks and
+this step's tokens are all one thing.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ class PrefillSpan:
 
     start: int
     length: int
-    context_slots: torch.Tensor | None  # pool slots of the whole context; None: no earlier context
+    context_pages: torch.Tensor | None  # pool pages of the whole context; None: no earlier context
     mask: torch.Tensor | None  # [length, context] bottom-right causal; None: plain causal
 
 
@@ -30,8 +30,8 @@ class AttentionBatch:
 
     slot_mapping: torch.Tensor  # [tokens]: where each new token's K/V goes
     num_decodes: int  # the first num_decodes tokens are single-token decodes
-    decode_slots: torch.Tensor | None  # [decodes, longest context] pool slots (padded)
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, longest] True where real; None if unpadded
+    decode_pages: torch.Tensor | None  # [decodes, pages of the longest context] (padded)
+    decode_bias: torch.Tensor | None  # [kv_heads * decodes, group, keys]: see decode_bias()
     prefills: list[PrefillSpan]
 
 
@@ -47,31 +47,41 @@ def bottom_right_causal_mask(num_queries: int, num_keys: int, device: torch.devi
     return cols <= rows + offset
 
 
+def decode_bias(
+    lengths: torch.Tensor, keys: int, kv_heads: int, group: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """The decode scores' additive mask, built once a step: 0 over each sequence's ``length`` real
+    keys, -inf over the padding up to ``keys``; one row per query head, in the decode's
+    [kv_heads * decodes, group, keys] order."""
+    valid = torch.arange(keys, device=lengths.device).unsqueeze(0) < lengths.unsqueeze(1)
+    bias = torch.zeros(valid.shape, dtype=dtype, device=lengths.device).masked_fill_(~valid, float("-inf"))
+    return bias.unsqueeze(1).repeat(kv_heads, group, 1)
+
+
 def paged_attention(
     q: torch.Tensor,
     new_kv: torch.Tensor,
     kv_cache: torch.Tensor,
     batch: AttentionBatch,
 ) -> torch.Tensor:
-    """q: [tokens, heads, dim]; new_kv: [tokens, 2, kv_heads, dim]; kv_cache: [slots, 2, kv_heads, dim].
-
-    K and V of a slot sit side by side, so one copy writes them and one gather reads them.
-    """
-    kv_cache.index_copy_(0, batch.slot_mapping, new_kv)
+    """q: [tokens, heads, dim]; new_kv: [tokens, 2, kv_heads, dim];
+    kv_cache: [2, kv_heads, pages, page_size, dim] (one layer of the pool)."""
+    two, kv_heads, pages, page_size, dim = kv_cache.shape
+    slots = kv_cache.view(two, kv_heads, pages * page_size, dim)
+    slots.index_copy_(2, batch.slot_mapping, new_kv.permute(1, 2, 0, 3))
     outputs: list[torch.Tensor] = []
     if batch.num_decodes:
-        assert batch.decode_slots is not None
         outputs.append(_decode_attention(q[: batch.num_decodes], kv_cache, batch))
     for span in batch.prefills:
         end = span.start + span.length
-        if span.context_slots is None:
-            context = new_kv[span.start : end]
+        if span.context_pages is None:
+            context = new_kv[span.start : end].permute(1, 2, 0, 3)  # [2, kv_heads, length, dim]
         else:
-            context = _gather(kv_cache, span.context_slots)  # [context, 2, kv_heads, dim]
+            context = _gather_pages(kv_cache, span.context_pages)[:, :, : span.mask.shape[1]]
         out = F.scaled_dot_product_attention(
             q[span.start : end].transpose(0, 1).unsqueeze(0),
-            context[:, 0].transpose(0, 1).unsqueeze(0),
-            context[:, 1].transpose(0, 1).unsqueeze(0),
+            context[0].unsqueeze(0),
+            context[1].unsqueeze(0),
             attn_mask=span.mask,
             is_causal=span.mask is None,
             enable_gqa=True,
@@ -83,28 +93,28 @@ def paged_attention(
 def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """One new query per sequence against its whole context: q [decodes, heads, dim].
 
-    SDPA's CPU kernel handles a single bf16 query 2-5x slower than an fp32 one. With grouped KV
-    heads, the query heads sharing a KV head become that head's query rows (head h reads KV head
-    h // group, as transformers' GQA does), so the kernel sees several queries and runs in the
-    model's dtype: 1.8-2.3x faster than widening to fp32 at 1,000 tokens of context (16
-    sequences), up to 1.2x at 200. Without grouping (one query per KV head) the K/V are widened.
+    Written as two batched matmuls and a softmax, as transformers' eager attention computes it
+    (scores in the model's dtype, softmax in fp32). SDPA's CPU flash kernel spends most of a
+    decode step's attention on its blocking for a handful of queries: the matmuls are 1.5-4x
+    faster at 160-1,200 tokens of context. The query heads that share a KV head are that head's
+    query rows, so each (KV head, sequence) is one small matrix product.
     """
+    assert batch.decode_pages is not None and batch.decode_bias is not None
     decodes, heads, dim = q.shape
-    kv_heads = kv_cache.shape[2]
-    context = _gather(kv_cache, batch.decode_slots)  # [decodes, longest, 2, kv_heads, dim]
-    query = q.view(decodes, kv_heads, heads // kv_heads, dim)
-    widen = heads == kv_heads and q.dtype != torch.float32
-    if widen:
-        context, query = context.float(), query.float()
-    out = F.scaled_dot_product_attention(
-        query,
-        context[:, :, 0].transpose(1, 2),
-        context[:, :, 1].transpose(1, 2),
-        attn_mask=batch.decode_mask,
-    )
-    return out.reshape(decodes, heads, dim).to(q.dtype)
+    kv_heads = kv_cache.shape[1]
+    group = heads // kv_heads
+    context = _gather_pages(kv_cache, batch.decode_pages.reshape(-1))  # [2, kv_heads, decodes*keys, dim]
+    keys = context.shape[2] // decodes
+    k = context[0].view(kv_heads * decodes, keys, dim)
+    v = context[1].view(kv_heads * decodes, keys, dim)
+    query = q.view(decodes, kv_heads, group, dim).transpose(0, 1).reshape(kv_heads * decodes, group, dim)
+    scores = torch.baddbmm(batch.decode_bias, query, k.transpose(1, 2), alpha=dim**-0.5)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.bmm(weights, v).view(kv_heads, decodes, group, dim).transpose(0, 1)
+    return out.reshape(decodes, heads, dim)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache rows at ``slots`` (any shape), as [*slots.shape, *row shape]; faster than indexing."""
-    return cache.index_select(0, slots.reshape(-1)).view(*slots.shape, *cache.shape[1:])
+def _gather_pages(kv_cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """These pages of one layer, in order: [2, kv_heads, len(pages) * page_size, dim]."""
+    two, kv_heads, _, page_size, dim = kv_cache.shape
+    return kv_cache.index_select(2, pages).view(two, kv_heads, pages.numel() * page_size, dim)

@@ -12,7 +12,7 @@ from replica.engine.outputs import TokenLogprob
 from replica.engine.scheduler import ScheduledBatch
 from replica.engine.sequence import Sequence
 from replica.kvcache.pool import KVPool, pool_pages
-from replica.model.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask
+from replica.model.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask, decode_bias
 from replica.model.config import ModelConfig
 from replica.model.decoder import DecoderLM
 from replica.model.sampler import sample
@@ -108,8 +108,8 @@ class ModelRunner:
             return [], hidden.new_empty((0, 0))
         return samplers, self.model.logits(hidden[torch.tensor(rows, device=self.device)])
 
-    def _slots(self, page_table: list[int] | torch.Tensor) -> torch.Tensor:
-        """Every slot of these pages, in order: [pages * page_size] (or batched: [..., slots])."""
+    def _slots(self, page_table: list[int]) -> torch.Tensor:
+        """Every slot of these pages, in order: [pages * page_size]."""
         pages = torch.as_tensor(page_table, device=self.device)
         return (pages.unsqueeze(-1) * self.page_size + self._page_offsets).flatten(-2)
 
@@ -119,29 +119,33 @@ class ModelRunner:
         spans: list[tuple[Sequence, int, int]],
     ) -> AttentionBatch:
         size = self.page_size
-        decode_slots = decode_mask = None
+        decode_pages = bias = None
         slot_parts: list[torch.Tensor] = []
         if batch.decodes:
             lengths = torch.tensor([seq.num_computed + 1 for seq in batch.decodes], device=self.device)
-            longest = int(lengths.max())
-            width = -(-longest // size)
+            width = -(-int(lengths.max()) // size)
             table = [(seq.page_table + [0] * width)[:width] for seq in batch.decodes]
-            decode_slots = self._slots(table)[:, :longest]
-            slot_parts.append(decode_slots.gather(1, (lengths - 1).unsqueeze(1)).squeeze(1))
-            if int(lengths.min()) != longest:
-                valid = torch.arange(longest, device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
-                decode_mask = valid[:, None, None, :]
+            decode_pages = torch.tensor(table, device=self.device)
+            new_slots = [
+                seq.page_table[seq.num_computed // size] * size + seq.num_computed % size
+                for seq in batch.decodes
+            ]
+            slot_parts.append(torch.tensor(new_slots, device=self.device))
+            cfg = self.model.config
+            bias = decode_bias(
+                lengths, width * size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, self.model.dtype
+            )
         prefills: list[PrefillSpan] = []
         flat = len(batch.decodes)
         for seq, start, length in spans[len(batch.decodes) :]:
             context = start + length
-            slots = self._slots(seq.page_table[: -(-context // size)])[:context]
-            slot_parts.append(slots[start:])
+            pages = seq.page_table[: -(-context // size)]
+            slot_parts.append(self._slots(pages)[start:context])
             if start == 0:
                 prefills.append(PrefillSpan(flat, length, None, None))
             else:
                 mask = bottom_right_causal_mask(length, context, self.device)
-                prefills.append(PrefillSpan(flat, length, slots, mask))
+                prefills.append(PrefillSpan(flat, length, torch.tensor(pages, device=self.device), mask))
             flat += length
         slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
-        return AttentionBatch(slot_mapping, len(batch.decodes), decode_slots, decode_mask, prefills)
+        return AttentionBatch(slot_mapping, len(batch.decodes), decode_pages, bias, prefills)
