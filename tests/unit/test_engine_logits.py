@@ -117,8 +117,9 @@ def test_twenty_batched_decode_steps(model_dir: Path, make_engine: EngineFactory
 
 
 def test_bf16_batched_decode_tracks_fp32(model_dir: Path) -> None:
-    """bf16 decode (grouped query heads in one bf16 SDPA) must stay as close to the fp32 reference
-    as transformers' own bf16 model does on the same tokens (with a floor for tiny errors)."""
+    """bf16 decode (a KV head's query heads as one bf16 matmul per sequence) must stay as close to
+    the fp32 reference as transformers' own bf16 model does on the same tokens (with a floor for
+    tiny errors)."""
     engine = LLMEngine(EngineConfig(model=model_dir, dtype="bfloat16", kv_cache_tokens=4096))
     seqs, logits = twenty_batched_decode_steps(engine)
     their_bf16 = AutoModelForCausalLM.from_pretrained(
