@@ -10,6 +10,8 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 
+from starlette.types import ASGIApp, Receive, Scope, Send
+
 from kvroute.openai_api.errors import APIError
 
 
@@ -43,3 +45,20 @@ def parse_keys(flags: Iterable[str] | None, env_value: str | None) -> tuple[str,
 def unauthorized(message: str) -> APIError:
     """The OpenAI error for a missing or wrong key (401)."""
     return APIError(message, 401, type="authentication_error", code="invalid_api_key")
+
+
+class SharedKeyAuth:
+    """Requires ``Authorization: Bearer <key>`` (the key only gateways hold) on every path but
+    ``open_paths``; 401 with an OpenAI error otherwise. A replica's and a bridge's guard."""
+
+    def __init__(self, app: ASGIApp, key: str, open_paths: Iterable[str] = ("/health", "/metrics")) -> None:
+        self.app = app
+        self.keys = (key.encode(),)
+        self.open_paths = frozenset(open_paths)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        guarded = scope["type"] == "http" and scope["path"] not in self.open_paths
+        if guarded and not key_matches(bearer_token(scope["headers"]), self.keys):
+            await unauthorized("Missing or incorrect replica key.").to_response()(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

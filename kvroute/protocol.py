@@ -129,6 +129,9 @@ class Heartbeat:
     # each gateway's share of running, waiting and waiting_prefill_tokens, by gateway id (see
     # GATEWAY_ID_HEADER); None from a replica that reports no shares
     gateways: Mapping[str, tuple[int, int, int]] | None = None
+    # where GET /kvroute/tokenizer is served when ``url`` does not serve it (a vLLM server's
+    # bridge); None: at ``url``
+    tokenizer_url: str | None = None
 
     def encode(self) -> dict[str, str]:
         fields = {
@@ -148,6 +151,8 @@ class Heartbeat:
         if self.gateways is not None:
             loads = {gateway: list(load) for gateway, load in self.gateways.items()}
             fields["gateways"] = json.dumps(loads, separators=(",", ":"))
+        if self.tokenizer_url is not None:
+            fields["tokenizer_url"] = self.tokenizer_url
         return fields
 
     @classmethod
@@ -173,6 +178,7 @@ class Heartbeat:
             waiting_prefill_tokens=int(text("waiting_prefill_tokens")),
             ts=float(text("ts")),
             gateways=_decode_gateway_loads(fields.get(b"gateways")),
+            tokenizer_url=tokenizer_url.decode() if (tokenizer_url := fields.get(b"tokenizer_url")) else None,
         )
 
 

@@ -112,10 +112,12 @@ def add_options(
     *,
     only: Mapping[str, str | None] | None = None,
     group: str | None = None,
+    required: Iterable[str] = (),
 ) -> None:
     """Adds the options of dataclass ``cls`` to ``parser``. ``only``: just these fields, each with
     the help given instead of its own (None: its own); ``group``: the title of an argument group for
-    all of them."""
+    all of them; ``required``: fields this command cannot run without (argparse says so)."""
+    required = set(required)
     by_name = {opt.field.name: opt for opt in options(cls)}
     chosen = [by_name[name] for name in only] if only is not None else list(by_name.values())
     groups: dict[str, argparse._ArgumentGroup] = {}
@@ -138,6 +140,8 @@ def add_options(
             help = f"{help} (default: {format_default(opt.default)})"
         if opt.kind is not str and opt.kind is not bool:
             kwargs["type"] = opt.kind
+        if opt.field.name in required:
+            kwargs["required"] = True
         target.add_argument(opt.flag, help=help, **{k: v for k, v in kwargs.items() if v is not None})
 
 

@@ -1,9 +1,10 @@
 """The ``kvroute`` command: a dispatcher. Each component adds its own commands, whose options are its
 settings dataclasses' fields (``kvroute.settings``): ``gateway.cli`` (``kvroute gateway``),
-``replica.cli`` (``kvroute replica``), ``replica.tools.cli`` (calibrate, prepare-model,
-make-test-model, memory); ``kvroute up`` is the launcher's own (``launcher.stack.StackSettings``), and
-``kvroute bench`` runs the load tests as a program of their own (``python -m loadtests``). The
-commands import their heavy modules when they run, so the gateway side never pays for torch."""
+``replica.cli`` (``kvroute replica``), ``bridge.cli`` (``kvroute bridge``, a vLLM server's sidecar),
+``replica.tools.cli`` (calibrate, prepare-model, make-test-model, memory); ``kvroute up`` is the
+launcher's own (``launcher.stack.StackSettings``), and ``kvroute bench`` runs the load tests as a
+program of their own (``python -m loadtests``). The commands import their heavy modules when they
+run, so the gateway side never pays for torch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import logging
 import os
 import sys
 
+from bridge import cli as bridge_cli
 from gateway import cli as gateway_cli
 from kvroute.settings import (
     HelpFormatter,
@@ -97,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_up_parser(sub)
     replica_cli.add_parser(sub)
     gateway_cli.add_parser(sub)
+    bridge_cli.add_parser(sub)
     tools_cli.add_parsers(sub)
     # `kvroute bench` only forwards its arguments, --help included, to `python -m loadtests`.
     p = sub.add_parser("bench", help="serving benchmark and policy comparison (load tests)", add_help=False)

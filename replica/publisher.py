@@ -22,10 +22,10 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from redis.asyncio import Redis
 from redis.asyncio.client import Pipeline
@@ -37,15 +37,37 @@ from kvroute.protocol import DEFAULT_PREFIX, EventKind, Heartbeat, Keys, encode_
 from kvroute.settings import REQUIRED, option
 from replica.kvcache.events import KVEvent, KVEventOutbox
 
-if TYPE_CHECKING:
-    from replica.engine.llm_engine import EngineStats
-
 log = logging.getLogger("kvroute.replica.publisher")
 
 RETRY_INTERVAL_S = 0.5  # how often an unreachable Redis is tried again
 # Deadline slack per hash in one transaction: a full republish of a big cache is one MULTI/EXEC that
 # takes ~2 µs per hash (packing plus Redis's work), and a fixed deadline would fail it forever.
 SECONDS_PER_HASH = 5e-6
+
+
+class SourceShare(Protocol):
+    running: int
+    waiting: int
+    waiting_prefill_tokens: int
+
+
+class PublishedLoad(Protocol):
+    """What a heartbeat reports: the engine's ``EngineStats``, or a bridge's view of a vLLM server."""
+
+    @property
+    def kv_total_pages(self) -> int: ...
+    @property
+    def kv_used_pages(self) -> int: ...
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def waiting_prefill_tokens(self) -> int: ...
+    @property
+    def by_source(self) -> Mapping[str, SourceShare] | None:
+        """Each gateway's share; None when the engine cannot tell (no ``gateways`` field then)."""
+
 
 # One stream entry's worth of work: its kind and (for STORED/REMOVED) at most max_batch_hashes hashes.
 _Piece = tuple[EventKind, list[int]]
@@ -77,6 +99,7 @@ class PublisherConfig:
     batch_interval: float = 0.02  # the shortest time between two outbox drains, seconds
     max_batch_hashes: int = 4096  # hashes per MULTI/EXEC and per stream entry
     stream_maxlen: int = option(100_000, "--stream-maxlen", "approximate length cap of the event stream")
+    tokenizer_url: str | None = None  # where gateways fetch the tokenizer, when advertise_url lacks it
     socket_timeout: float = 2.0  # seconds: connect, and any one transaction (plus SECONDS_PER_HASH)
 
     def __post_init__(self) -> None:
@@ -112,7 +135,7 @@ class KVPublisher:
         fingerprint: str,
         block_size: int,
         outbox: KVEventOutbox,
-        stats: Callable[[], EngineStats],
+        stats: Callable[[], PublishedLoad],
     ) -> None:
         self.config = config
         self.model = model
@@ -360,7 +383,7 @@ class KVPublisher:
         fields = encode_event(self.config.replica_id, self._epoch, kind, hashes, time.time())
         pipe.xadd(self._events_key, fields, maxlen=self.config.stream_maxlen, approximate=True)
 
-    def _queue_heartbeat(self, pipe: Pipeline, stats: EngineStats) -> None:
+    def _queue_heartbeat(self, pipe: Pipeline, stats: PublishedLoad) -> None:
         """HSET every heartbeat field, PEXPIRE, and SADD to the replicas set (Redis may have restarted)."""
         heartbeat = Heartbeat(
             url=self.config.advertise_url,
@@ -374,10 +397,13 @@ class KVPublisher:
             waiting=stats.num_waiting,
             waiting_prefill_tokens=stats.waiting_prefill_tokens,
             ts=time.time(),
-            gateways={
+            gateways=None
+            if stats.by_source is None
+            else {
                 gateway: (load.running, load.waiting, load.waiting_prefill_tokens)
                 for gateway, load in stats.by_source.items()
             },
+            tokenizer_url=self.config.tokenizer_url,
         )
         pipe.hset(self._heartbeat_key, mapping=heartbeat.encode())
         pipe.pexpire(self._heartbeat_key, round(self.config.heartbeat_ttl * 1000))

@@ -40,7 +40,7 @@ class Roster:
 
     def tokenizer_urls(self) -> list[str]:
         """Where the roster's tokenizer can be fetched from."""
-        return [replica.url for replica in self.replicas if replica.fingerprint == self.fingerprint]
+        return [replica.tokenizer_url for replica in self.replicas if replica.fingerprint == self.fingerprint]
 
 
 def _roster(model: str, listed: list[Replica]) -> Roster:

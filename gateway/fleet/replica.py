@@ -130,6 +130,12 @@ class Replica:
         return "static" if self.heartbeat is None else "redis"
 
     @property
+    def tokenizer_url(self) -> str:
+        """Where its ``GET /kvroute/tokenizer`` is: a vLLM server's bridge names itself."""
+        heartbeat = self.heartbeat
+        return heartbeat.tokenizer_url or self.url if heartbeat is not None else self.url
+
+    @property
     def ejected(self) -> bool:
         return self.ejected_url is not None
 

@@ -55,6 +55,7 @@ class ReplicaHeartbeat:
     # each gateway's share of running, waiting and waiting_prefill_tokens (by gateway id); None
     # from a replica that does not report shares
     gateways: Mapping[str, tuple[int, int, int]] | None = None
+    tokenizer_url: str | None = None  # where its tokenizer is served, if not at ``url``
 
     @classmethod
     def from_heartbeat(cls, replica_id: str, heartbeat: Heartbeat) -> ReplicaHeartbeat:

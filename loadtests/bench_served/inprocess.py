@@ -12,8 +12,8 @@ from replica.engine.sampling_params import SamplingParams
 
 
 class InProcessEngine:
-    def __init__(self, model: str, threads: int) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype="bfloat16", threads=threads))
+    def __init__(self, model: str, threads: int, dtype: str) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, threads=threads))
         self._next_id = 0
 
     def output_throughput(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> float:

@@ -18,7 +18,7 @@ VLLM_MAX_MODEL_LEN = "4096"
 def replica_command(s: Settings, port: int, name: str) -> list[str]:
     return kvroute_command(
         "replica", port, "--model", s.model, "--served-model-name", name,
-        "--dtype", "bfloat16", "--threads", str(s.threads),
+        "--dtype", s.dtype, "--threads", str(s.threads),
     )  # fmt: skip
 
 
@@ -29,7 +29,7 @@ def vllm_service(s: Settings, workdir: Path, name: str) -> Service:
     port = free_port()
     command = [
         str(Path(s.vllm) / "bin" / "vllm"), "serve", s.model, "--host", "127.0.0.1", "--port", str(port),
-        "--served-model-name", name, "--dtype", "bfloat16", "--max-model-len", VLLM_MAX_MODEL_LEN,
+        "--served-model-name", name, "--dtype", s.dtype, "--max-model-len", VLLM_MAX_MODEL_LEN,
         "--enable-prefix-caching", "--enable-prompt-tokens-details",
     ]  # fmt: skip
     env = {

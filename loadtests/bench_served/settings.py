@@ -63,4 +63,5 @@ class Settings:
     cold_prompts: int
     cold_len: int
     threads: int
+    dtype: str  # both servers' and the in-process engine's
     out: str

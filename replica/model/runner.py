@@ -20,14 +20,20 @@ from replica.model.sampler import sample
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def cpu_native_dtype() -> str:
+    """bf16 where this CPU computes it natively (AVX512-BF16/AMX: several times faster prefill,
+    half the memory traffic); else fp32, as bf16 without those instructions is emulated and runs
+    several times slower than fp32."""
+    return "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+
+
 def resolve_dtype(name: str, config: ModelConfig, device: str) -> torch.dtype:
-    """``auto``: the checkpoint's dtype on CUDA; on CPU bf16 where the CPU computes it natively
-    (AVX512-BF16/AMX: several times faster prefill, half the memory traffic), else fp32."""
+    """``auto``: the checkpoint's dtype on CUDA; on CPU, ``cpu_native_dtype()``."""
     if name == "auto":
         if device.startswith("cuda"):
             name = config.torch_dtype if config.torch_dtype in _DTYPES else "bfloat16"
         else:
-            name = "bfloat16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else "float32"
+            name = cpu_native_dtype()
     if name not in _DTYPES:
         raise ValueError(f"unsupported dtype {name!r}; choose from auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]

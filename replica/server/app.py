@@ -23,10 +23,10 @@ from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp
 from uvicorn.main import STARTUP_FAILURE
 
-from kvroute.auth import bearer_token, key_matches, unauthorized
+from kvroute.auth import SharedKeyAuth
 from kvroute.http import (
     DEFAULT_REQUEST_LIMITS,
     FastPosts,
@@ -164,20 +164,12 @@ class _ReplicaAPI:
         return JSONResponse({"prompt": self.engine.tokenizer.decode(body.tokens, skip_special_tokens=False)})
 
     async def tokenizer_files(self, request: Request) -> Response:
-        """The tokenizer's source files, so a gateway can tokenize exactly as this replica does
-        without model files of its own (it rebuilds them and checks the fingerprint)."""
-        tokenizer = self.engine.tokenizer
-        return JSONResponse(
-            {
-                "model": self.engine.served_model_name,
-                "fingerprint": tokenizer.fingerprint,
-                "block_size": self.engine.stats().block_size,
-                "max_model_len": self.engine.max_model_len,
-                "tokenizer_json": tokenizer.tokenizer_json,
-                "chat_template": tokenizer.chat_template,
-                "tokenizer_config": tokenizer.tokenizer_config,
-            }
+        """The tokenizer's source files (``TextTokenizer.served_files``)."""
+        engine = self.engine
+        files = engine.tokenizer.served_files(
+            engine.served_model_name, engine.stats().block_size, engine.max_model_len
         )
+        return JSONResponse(files)
 
     async def reset_prefix_cache(self, request: Request) -> Response:
         """vLLM's endpoint: drop every cached page no running request uses (removed events follow)."""
@@ -191,25 +183,6 @@ class _ReplicaAPI:
     async def prometheus(self, request: Request) -> Response:
         body, content_type = self.metrics.render()
         return Response(body, headers={"Content-Type": content_type})
-
-
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
-
-
-class _SharedKeyAuth:
-    """Requires ``Authorization: Bearer <key>`` (the key only gateways hold; ``kvroute.auth``'s
-    rule) on every path but /health and /metrics; 401 with an OpenAI error otherwise."""
-
-    def __init__(self, app: ASGIApp, key: str) -> None:
-        self.app = app
-        self.keys = (key.encode(),)
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        guarded = scope["type"] == "http" and scope["path"] not in _OPEN_PATHS
-        if guarded and not key_matches(bearer_token(scope["headers"]), self.keys):
-            await unauthorized("Missing or incorrect replica key.").to_response()(scope, receive, send)
-            return
-        await self.app(scope, receive, send)
 
 
 def build_app(
@@ -243,7 +216,7 @@ def build_app(
             await engine.shutdown()
 
     api = _ReplicaAPI(engine, request_limits)
-    middleware = [] if not api_key else [Middleware(_SharedKeyAuth, key=api_key)]
+    middleware = [] if not api_key else [Middleware(SharedKeyAuth, key=api_key)]
     middleware.append(Middleware(FastPosts, posts=api.generation_endpoints()))
     app = Starlette(
         routes=api.routes(),

@@ -74,6 +74,14 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, documentation, labels=LABELS)
             family.add_metric(self._label_values, value)
             yield family
+        # vLLM's info gauge (always 1): the pool size in its labels, e.g. for ``kvroute bridge``
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            labels=["block_size", "num_gpu_blocks", "engine"],
+        )
+        info.add_metric([str(stats.block_size), str(stats.kv_total_pages), self._label_values[1]], 1)
+        yield info
         for name, documentation, value in counters:
             family = CounterMetricFamily(name, documentation, labels=LABELS)
             family.add_metric(self._label_values, value)
