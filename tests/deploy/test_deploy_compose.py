@@ -412,7 +412,7 @@ def included_in_context(path: str, ignore_file: Path) -> bool:
 IMAGE_SOURCES = {
     "Dockerfile.cpu": {"pyproject.toml", "kvroute", "replica", "gateway", "launcher", "loadtests"},
     "Dockerfile.cuda": {"pyproject.toml", "kvroute", "replica", "gateway", "launcher", "loadtests"},
-    "Dockerfile.gateway": {"pyproject.toml", "kvroute", "gateway", "launcher"},
+    "Dockerfile.gateway": {"pyproject.toml", "kvroute", "gateway", "launcher", "replica", "bridge"},
 }
 
 
@@ -517,3 +517,42 @@ def test_compose_mounts_exist(services: dict[str, dict[str, Any]]) -> None:
     assert "./models" in sources and len(sources) >= 5
     for source in sources:
         assert source.startswith("./") and (DEPLOY / source).exists(), f"{source} missing"
+
+
+# -- the vllm profile: a vLLM server and its bridge --------------------------------------------
+
+
+def _vllm_events(service: dict[str, Any]) -> dict[str, Any]:
+    command = service["command"]
+    return json.loads(command[command.index("--kv-events-config") + 1])
+
+
+def test_the_vllm_profile_pairs_a_vllm_server_with_its_bridge(
+    services: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    vllm, bridge = services["vllm"], services["vllm-bridge"]
+    assert vllm["profiles"] == bridge["profiles"] == ["vllm"]
+    assert bridge["image"].startswith("kvroute-gateway"), "the bridge runs from the torch-free image"
+    assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(vllm["command"])
+    assert vllm["environment"] == {"VLLM_API_KEY": "replace-me-replica-key"}  # gateways' replica key
+    assert set(bridge["environment"]) == {"KVROUTE_REPLICA_KEY"}
+    args = parse_kvroute(run_command(bridge, tmp_path))
+    assert args.command == "bridge" and args.host == "0.0.0.0"
+    engine = urlsplit(args.engine_url)
+    assert engine.hostname == "vllm" and engine.port == container_port_of("vllm", services, tmp_path)
+    events = _vllm_events(vllm)
+    assert events["enable_kv_cache_events"] is True and events["publisher"] == "zmq"
+    for bridge_side, vllm_side in (
+        (args.events, events["endpoint"]),
+        (args.replay, events["replay_endpoint"]),
+    ):
+        assert urlsplit(vllm_side).hostname == "*", "vLLM binds, the bridge connects"
+        assert (
+            urlsplit(bridge_side).hostname == "vllm"
+            and urlsplit(bridge_side).port == urlsplit(vllm_side).port
+        )
+    assert args.model == vllm["command"][0], "the bridge reads the tokenizer of the model vLLM serves"
+    tokenizer = urlsplit(args.tokenizer_url)
+    assert tokenizer.hostname == "vllm-bridge" and tokenizer.port == args.port
+    assert urlsplit(healthcheck_url(bridge)).port == args.port
+    assert urlsplit(args.redis).hostname == "redis"

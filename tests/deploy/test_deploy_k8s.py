@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import json
 import math
 import re
 import shutil
@@ -624,3 +625,65 @@ def test_cpu_overlay_images_are_the_cpu_builds(cpu_overlay: list[Resource]) -> N
     assert f"docker build -f deploy/docker/Dockerfile.cpu --target model -t {init['image']} ." in readme
     assert f"docker build -f deploy/docker/Dockerfile.cpu -t {container(replica)['image']} ." in readme
     assert f"kubectl apply -k {CPU_OVERLAY.relative_to(ROOT)}" in readme
+
+
+# -- the vLLM example: vLLM with a bridge sidecar ------------------------------------------------
+
+VLLM_EXAMPLE = ROOT / "deploy" / "k8s" / "examples" / "vllm"
+
+
+@pytest.fixture(scope="module")
+def vllm_example() -> list[Resource]:
+    listed = yaml.safe_load((VLLM_EXAMPLE / "kustomization.yaml").read_text(encoding="utf-8"))["resources"]
+    return load_resources([VLLM_EXAMPLE / name for name in listed])
+
+
+def _container(pod: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(c for c in pod["containers"] if c["name"] == name)
+
+
+def _expanded(args: list[str], container: dict[str, Any]) -> list[str]:
+    """$(VAR) in args as the kubelet expands them, from the container's env."""
+    values = dict(FIELD_VALUES)
+    for var in container.get("env", []):
+        if "value" in var:
+            values[var["name"]] = var["value"]
+        elif "fieldRef" in var.get("valueFrom", {}):
+            values[var["name"]] = FIELD_VALUES[var["valueFrom"]["fieldRef"]["fieldPath"]]
+        else:
+            values[var["name"]] = "redis://kvroute-redis:6379/0"
+    return [re.sub(r"\$\((\w+)\)", lambda m: values[m.group(1)], arg) for arg in args]
+
+
+def test_the_vllm_example_validates_and_pairs_vllm_with_its_bridge(
+    vllm_example: list[Resource], resources: list[Resource]
+) -> None:
+    assert validate_strictly(vllm_example) == {"Deployment"}
+    (deployment,) = vllm_example
+    pod = pod_spec(deployment)
+    vllm, bridge = _container(pod, "vllm"), _container(pod, "bridge")
+    vllm_args = _expanded(vllm["args"], vllm)
+    events = json.loads(vllm_args[vllm_args.index("--kv-events-config") + 1])
+    args = strict_parser().parse_args(_expanded([*bridge["command"][1:], *bridge["args"]], bridge))
+    assert args.command == "bridge"
+    vllm_port = next(p["containerPort"] for p in vllm["ports"] if p["name"] == "http")
+    assert (
+        urlsplit(args.engine_url).port == vllm_port
+        and urlsplit(args.engine_url).hostname == FIELD_VALUES["status.podIP"]
+    )
+    assert urlsplit(args.events).port == urlsplit(events["endpoint"]).port
+    assert urlsplit(args.replay).port == urlsplit(events["replay_endpoint"]).port
+    assert args.model == vllm_args[0], "the bridge reads the tokenizer of the model vLLM serves"
+    assert args.replica_id == FIELD_VALUES["metadata.name"]
+    bridge_port = next(p["containerPort"] for p in bridge["ports"])
+    assert args.port == bridge_port and urlsplit(args.tokenizer_url).port == bridge_port
+    # what it refers to in the base: the keys Secret and the models volume claim
+    secrets = {
+        ref["valueFrom"]["secretKeyRef"]["name"]
+        for c in (vllm, bridge)
+        for ref in c["env"]
+        if "secretKeyRef" in ref.get("valueFrom", {})
+    }
+    assert secrets <= set(by_kind(resources, "Secret"))
+    claims = {v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"]}
+    assert claims <= set(by_kind(resources, "PersistentVolumeClaim"))

@@ -106,8 +106,10 @@ class FakeVllmPublisher:
         self._next = 0
         self._buffer.clear()
 
-    def forget_buffer(self) -> None:
-        self._buffer.clear()
+    def forget_buffer(self, keep_latest: int = 0) -> None:
+        """As batches falling out of vLLM's replay buffer: all but the latest ``keep_latest``."""
+        while len(self._buffer) > keep_latest:
+            self._buffer.popleft()
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

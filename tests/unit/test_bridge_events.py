@@ -283,3 +283,21 @@ async def test_a_late_subscriber_replays_what_vllm_still_buffers(endpoints: tupl
         stream.stop()
         subscriber.close()
         publisher.close()
+
+
+@pytest.mark.anyio
+async def test_a_late_subscriber_takes_what_is_left_of_vllm_s_buffer(endpoints: tuple[str, str]) -> None:
+    events, replay = endpoints
+    publisher = vllm.FakeVllmPublisher(events, replay)
+    subscriber = EventSubscriber(events, replay)
+    try:
+        stream = await _connected(publisher, subscriber)
+        subscriber.forget_position()
+        publisher.send(vllm.AllBlocksCleared(), skip=True)
+        publisher.forget_buffer(keep_latest=1)  # batches 0..n-1 fell out; n is still there
+        n = publisher.send(vllm.AllBlocksCleared())
+        assert _seqs(await stream.take(2)) == [n - 1, n]
+    finally:
+        stream.stop()
+        subscriber.close()
+        publisher.close()

@@ -1,5 +1,6 @@
-"""README.md's "Settings" tables against the real parsers: every flag of ``kvroute up``, ``gateway`` and
-``replica`` has a row, every row names a real flag, and each default column says the parser's default.
+"""README.md's "Settings" tables against the real parsers: every flag of ``kvroute up``, ``gateway``,
+``replica`` and ``bridge`` has a row, every row names a real flag, and each default column says the
+parser's default.
 
 The tables are for people, so the reading is tolerant of wording and strict on values: "8 MiB" is
 8388608, "0.5 s" is 0.5, "none", "—" and "off" are no default, a trailing "(remark)" and an
@@ -16,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from bridge.cli import BridgeSettings
 from gateway.cli import GatewayServer
 from gateway.settings import GatewaySettings
 from kvroute.settings import options
@@ -31,6 +33,7 @@ COMMANDS: dict[str, tuple[type, ...]] = {
     "up": (StackSettings, EngineConfig),
     "gateway": (GatewayServer, GatewaySettings),
     "replica": (EngineConfig, ReplicaServer, PublisherConfig),
+    "bridge": (BridgeSettings, PublisherConfig),
 }
 # (command, flag) -> why its table leaves it out. None is left out today.
 NOT_IN_TABLE: dict[tuple[str, str], str] = {}
