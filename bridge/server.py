@@ -11,11 +11,12 @@ import asyncio
 import contextlib
 import logging
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 
+import uvicorn
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -40,7 +41,7 @@ class _BridgeCollector(Collector):
     def __init__(self, bridge: Bridge) -> None:
         self.bridge = bridge
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self) -> Iterator[Metric]:
         bridge, subscriber, translator = self.bridge, self.bridge.subscriber, self.bridge.translator
         yield GaugeMetricFamily(
             "kvroute_bridge_engine_registered",
@@ -69,7 +70,11 @@ class _BridgeCollector(Collector):
             )
 
 
-def build_app(bridge: Bridge, api_key: str | None = None) -> Starlette:
+def build_app(
+    bridge: Bridge, api_key: str | None = None, on_failure: Callable[[], None] | None = None
+) -> Starlette:
+    """``on_failure``: called if the bridge's loops end on an error (the server should then stop:
+    an HTTP face that answers while nothing is bridged would hide it)."""
     registry = CollectorRegistry()
     registry.register(_BridgeCollector(bridge))
 
@@ -90,6 +95,14 @@ def build_app(bridge: Bridge, api_key: str | None = None) -> Starlette:
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         task = asyncio.create_task(bridge.run())
+
+        def ended(done: asyncio.Task[None]) -> None:
+            if not done.cancelled() and done.exception() is not None:
+                log.error("the bridge stopped", exc_info=done.exception())
+                if on_failure is not None:
+                    on_failure()
+
+        task.add_done_callback(ended)
         try:
             yield
         finally:
@@ -121,9 +134,13 @@ def run_server(bridge: Bridge, host: str, port: int, *, api_key: str | None, log
     """Serve until SIGINT/SIGTERM; the vLLM server is deregistered on the way out."""
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())
-    import uvicorn
+    failed = False
 
-    app = build_app(bridge, api_key)
+    def stop() -> None:
+        nonlocal failed
+        failed = server.should_exit = True
+
+    app = build_app(bridge, api_key, stop)
     server = uvicorn.Server(server_config(app, host, port, log_level, DEFAULT_LIMITS))
     log.info(
         "bridging %s (events %s) at http://%s:%d", bridge.engine_url, bridge.subscriber.endpoint, host, port
@@ -132,3 +149,5 @@ def run_server(bridge: Bridge, host: str, port: int, *, api_key: str | None, log
         server.run()
     if not server.started:
         sys.exit(STARTUP_FAILURE)
+    if failed:
+        sys.exit(1)

@@ -103,7 +103,7 @@ class Bridge:
                 if self.session is None:
                     await self._start_session()
                 elif restarted and not self._restarted_by_events:
-                    self._restart("vLLM's process start time changed: it restarted")
+                    self._restarted("vLLM's process start time changed: it restarted")
                 self._restarted_by_events = False
             await asyncio.sleep(self.publisher_config.heartbeat_interval)
 
@@ -134,9 +134,9 @@ class Bridge:
             stats=lambda: self.load,
         )
         translator = ChainTranslator(model_seed(model, self.tokenizer.fingerprint), self.block_size)
-        self.subscriber.forget_position()
         await publisher.start()
         self.session = _Session(model, translator, outbox, publisher)
+        self.subscriber.request_catch_up()
         self.sessions += 1
         log.info(
             "%s serves %s: registered as replica %s (epoch %s)",
@@ -160,6 +160,11 @@ class Bridge:
         log.warning("%s: starting a new epoch", reason)
         self.session.outbox.append(EventKind.CLEARED, [], time.time())
         self.session.translator.clear()
+
+    def _restarted(self, reason: str) -> None:
+        """vLLM restarted without its events saying so yet: start over from what it buffers."""
+        self._restart(reason)
+        self.subscriber.request_catch_up()
 
     # -- the events -----------------------------------------------------------------------------
 

@@ -78,21 +78,22 @@ def running_fleet(s: Settings, workdir: Path, name: str) -> Iterator[VllmFleet]:
         stack.callback(redis.stop)
         cores = [str(i % (os.cpu_count() or 1)) for i in range(SERVERS)]
         servers, bridges = [], []
+        progress(f"starting {SERVERS} vLLM servers, one after the other (each warm-up takes minutes)")
         for index, core in enumerate(cores):
             events, replay = free_port(), free_port()
             server = vllm_service(
                 s.vllm, s.model, free_port(), workdir / f"vllm-{index}.log", name=name, dtype=s.dtype,
-                cores=core, kv_cache_gib=1, max_model_len=s.kv_blocks * VLLM_BLOCK_SIZE,
+                cores=core, kv_cache_gib=1, max_model_len=(s.kv_blocks - 1) * VLLM_BLOCK_SIZE,
                 extra=(
                     "--num-gpu-blocks-override", str(s.kv_blocks),
                     "--kv-events-config", kv_events_config(events, replay),
                 ),
             )  # fmt: skip
             stack.callback(server.kill)
-            servers.append((server, events, replay))
-        progress(f"starting {SERVERS} vLLM servers (their warm-up takes minutes)")
-        for server, _, _ in servers:
+            # one at a time: two compiling at once share torch.compile's cache directory. vLLM wants
+            # a block beyond its longest request in the pool: the window is one block short of it.
             server.wait(health_ok, timeout=VLLM_START_TIMEOUT)
+            servers.append((server, events, replay))
         for index, (server, events, replay) in enumerate(servers):
             port = free_port()
             command = kvroute_command(

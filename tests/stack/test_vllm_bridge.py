@@ -19,6 +19,7 @@ from loadtests.bench_vllm_fleet.fleet import VllmFleet, running_fleet
 from loadtests.bench_vllm_fleet.settings import FULL, Settings
 from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed
 from tests.helpers.faults import ADMIN, ADMIN_KEY, respawn
+from tests.helpers.metrics import sample_value
 from tests.helpers.processes import KvrouteProcess, ReplicaProcess
 from tests.helpers.waiting import wait_until
 
@@ -127,7 +128,7 @@ def test_a_mixed_fleet_routes_to_whichever_engine_holds_the_prompt(
         assert reply.parse().usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_a_bridge_restarted_mid_run_leaves_no_stale_blocks(
+def test_a_restarted_bridge_catches_up_and_keeps_no_stale_blocks(
     fleet: VllmFleet, gateway: KvrouteProcess, smollm2_dir: Path, tmp_path: Path
 ) -> None:
     body = {"model": smollm2_dir.name, "messages": [{"role": "user", "content": OPENING}], "max_tokens": 4}
@@ -136,15 +137,29 @@ def test_a_bridge_restarted_mid_run_leaves_no_stale_blocks(
     server_id = reply.headers["x-kvroute-replica"]
     index = fleet.replica_ids.index(server_id)
     blocks_key = Keys("kvroute").blocks(server_id)
-    wait_until(lambda: fleet.redis.client().scard(blocks_key) > 0, "the prompt's blocks in the index")
+    redis = fleet.redis.client()
+    wait_until(lambda: redis.scard(blocks_key) > 0, "the prompt's blocks in the index")
+    held = redis.smembers(blocks_key)
     bridge = fleet.bridges[index]
-    bridge.process.send_signal(signal.SIGKILL)  # no deregistration: the heartbeat must expire
-    bridge.process.wait()
-    httpx.post(f"{fleet.servers[index].url}/reset_prefix_cache", timeout=30).raise_for_status()
-    # the same command line again (the test file's last test: the fleet's bridge stays down after)
-    with respawn(bridge, tmp_path / "bridge-again.log"):  # type: ignore[arg-type]
-        wait_until(lambda: _replicas(gateway.url) >= 2, "the restarted bridge to register", timeout=15)
-        # it replayed vLLM's buffered batches, the reset's AllBlocksCleared included: nothing held
-        assert fleet.redis.client().scard(blocks_key) == 0
-        candidates = {c["replica_id"]: c for c in _route(gateway.url, body)["candidates"]}
-        assert candidates[server_id]["matched_tokens"] == 0
+
+    def crash(service: object) -> None:  # no deregistration: the heartbeat must expire
+        process = service.process  # type: ignore[attr-defined]
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        wait_until(lambda: _replicas(gateway.url) == 1, "the gateway to drop the silent server", timeout=10)
+
+    crash(bridge)
+    # back with no new request: what vLLM still buffers is replayed, the same blocks come back
+    with respawn(bridge, tmp_path / "bridge-2.log") as again:  # type: ignore[arg-type]
+        wait_until(lambda: redis.smembers(blocks_key) == held, "the replayed blocks", timeout=15)
+        crash(again)
+        httpx.post(f"{fleet.servers[index].url}/reset_prefix_cache", timeout=30).raise_for_status()
+        # the reset's AllBlocksCleared is replayed too: nothing stale stays, nothing routes there
+        with respawn(again, tmp_path / "bridge-3.log") as third:
+            wait_until(lambda: _replicas(gateway.url) == 2, "the bridge to register again", timeout=15)
+            wait_until(
+                lambda: sample_value(third.url, "kvroute_bridge_replayed_batches_total") > 0, "the catch-up"
+            )
+            assert redis.scard(blocks_key) == 0
+            candidates = {c["replica_id"]: c for c in _route(gateway.url, body)["candidates"]}
+            assert candidates[server_id]["matched_tokens"] == 0

@@ -270,15 +270,20 @@ async def test_numbering_that_starts_again_is_a_restart(endpoints: tuple[str, st
 
 
 @pytest.mark.anyio
-async def test_a_late_subscriber_replays_what_vllm_still_buffers(endpoints: tuple[str, str]) -> None:
+async def test_a_catch_up_replays_what_vllm_still_buffers_without_duplicates(
+    endpoints: tuple[str, str],
+) -> None:
     events, replay = endpoints
     publisher = vllm.FakeVllmPublisher(events, replay)
     subscriber = EventSubscriber(events, replay)
     try:
         stream = await _connected(publisher, subscriber)
-        subscriber.forget_position()  # as after a session starts: the next batch is taken as the first
-        n = publisher.send(vllm.AllBlocksCleared())
-        assert _seqs(await stream.take(n + 1)) == list(range(n + 1))  # 0..n-1 replayed, then n
+        subscriber.request_catch_up()
+        n = publisher.send(vllm.AllBlocksCleared())  # on the live socket too
+        assert _seqs(await stream.take(n + 1)) == list(range(n + 1))  # all buffered, in order
+        publisher.send(vllm.AllBlocksCleared())
+        assert _seqs(await stream.take(1)) == [n + 1]  # n, queued live too, was not repeated
+        assert subscriber.restarts == 0
     finally:
         stream.stop()
         subscriber.close()
@@ -286,17 +291,18 @@ async def test_a_late_subscriber_replays_what_vllm_still_buffers(endpoints: tupl
 
 
 @pytest.mark.anyio
-async def test_a_late_subscriber_takes_what_is_left_of_vllm_s_buffer(endpoints: tuple[str, str]) -> None:
+async def test_a_catch_up_takes_what_is_left_of_vllm_s_buffer(endpoints: tuple[str, str]) -> None:
     events, replay = endpoints
     publisher = vllm.FakeVllmPublisher(events, replay)
     subscriber = EventSubscriber(events, replay)
     try:
         stream = await _connected(publisher, subscriber)
-        subscriber.forget_position()
-        publisher.send(vllm.AllBlocksCleared(), skip=True)
+        n = publisher.send(vllm.AllBlocksCleared(), skip=True)
         publisher.forget_buffer(keep_latest=1)  # batches 0..n-1 fell out; n is still there
-        n = publisher.send(vllm.AllBlocksCleared())
-        assert _seqs(await stream.take(2)) == [n - 1, n]
+        subscriber.request_catch_up()
+        assert _seqs(await stream.take(1)) == [n]
+        publisher.send(vllm.AllBlocksCleared())
+        assert _seqs(await stream.take(1)) == [n + 1]
     finally:
         stream.stop()
         subscriber.close()
