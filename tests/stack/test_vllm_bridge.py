@@ -153,7 +153,7 @@ def test_a_restarted_bridge_catches_up_and_keeps_no_stale_blocks(
     with respawn(bridge, tmp_path / "bridge-2.log") as again:  # type: ignore[arg-type]
         wait_until(lambda: redis.smembers(blocks_key) == held, "the replayed blocks", timeout=15)
         crash(again)
-        httpx.post(f"{fleet.servers[index].url}/reset_prefix_cache", timeout=30).raise_for_status()
+        fleet.reset_cache(index)
         # the reset's AllBlocksCleared is replayed too: nothing stale stays, nothing routes there
         with respawn(again, tmp_path / "bridge-3.log") as third:
             wait_until(lambda: _replicas(gateway.url) == 2, "the bridge to register again", timeout=15)

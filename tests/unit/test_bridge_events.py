@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -150,11 +152,6 @@ def test_a_vllm_block_size_kvroute_does_not_divide_is_an_error() -> None:
 # -- delivery over real ZMQ sockets ------------------------------------------------------------
 
 
-@pytest.fixture
-def endpoints() -> tuple[str, str]:
-    return f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
-
-
 class Received:
     """The subscriber's stream read by a task into a queue, so a test can wait with a timeout (an
     async generator cancelled mid-wait is finished for good)."""
@@ -175,19 +172,34 @@ class Received:
         self.task.cancel()
 
 
-async def _connected(publisher: vllm.FakeVllmPublisher, subscriber: EventSubscriber) -> Received:
-    """The subscriber's stream once batches come through (ZMQ drops what a PUB sends before the
-    subscription arrives), with every batch sent so far taken: the next one expected is the next
-    one sent."""
+Wire = tuple[vllm.FakeVllmPublisher, EventSubscriber, Received]
+
+
+@asynccontextmanager
+async def wired(
+    replay: bool = True,
+) -> AsyncIterator[tuple[vllm.FakeVllmPublisher, EventSubscriber, Received]]:
+    """A vLLM-like publisher (with its replay socket, or none) and a subscriber reading it, once
+    batches come through (ZMQ drops what a PUB sends before the subscription arrives), with every
+    batch sent so far taken: the next one expected is the next one sent."""
+    events = f"tcp://127.0.0.1:{free_port()}"
+    replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if replay else None
+    publisher = vllm.FakeVllmPublisher(events, replay_endpoint)
+    subscriber = EventSubscriber(events, replay_endpoint)
     received = Received(subscriber)
-    async with asyncio.timeout(10):
-        while received.queue.empty():
-            publisher.send(vllm.AllBlocksCleared())
-            await asyncio.sleep(0.1)
-    await asyncio.sleep(0.3)  # a probe still in flight
-    while not received.queue.empty():
-        assert not isinstance(received.queue.get_nowait(), Restart)
-    return received
+    try:
+        async with asyncio.timeout(10):
+            while received.queue.empty():
+                publisher.send(vllm.AllBlocksCleared())
+                await asyncio.sleep(0.1)
+        await asyncio.sleep(0.3)  # a probe still in flight
+        while not received.queue.empty():
+            assert not isinstance(received.queue.get_nowait(), Restart)
+        yield publisher, subscriber, received
+    finally:
+        received.stop()
+        subscriber.close()
+        publisher.close()
 
 
 def _seqs(items: list[object]) -> list[object]:
@@ -195,12 +207,8 @@ def _seqs(items: list[object]) -> list[object]:
 
 
 @pytest.mark.anyio
-async def test_a_gap_is_filled_from_the_replay_socket(endpoints: tuple[str, str]) -> None:
-    events, replay = endpoints
-    publisher = vllm.FakeVllmPublisher(events, replay)
-    subscriber = EventSubscriber(events, replay)
-    try:
-        stream = await _connected(publisher, subscriber)
+async def test_a_gap_is_filled_from_the_replay_socket() -> None:
+    async with wired() as (publisher, subscriber, stream):
         n, gaps, replays = publisher.next_seq, subscriber.gaps, publisher.replays_served
         publisher.send(vllm.stored([1], None, TOKENS[:16], 16), skip=True)
         publisher.send(vllm.stored([2], 1, TOKENS[16:32], 16), skip=True)
@@ -209,101 +217,55 @@ async def test_a_gap_is_filled_from_the_replay_socket(endpoints: tuple[str, str]
         assert _seqs(batches) == [n, n + 1, n + 2]
         assert [batch.events[0].block_hashes for batch in batches] == [[1], [2], [3]]
         assert subscriber.gaps == gaps + 1 and publisher.replays_served == replays + 1
-    finally:
-        stream.stop()
-        subscriber.close()
-        publisher.close()
 
 
 @pytest.mark.anyio
-async def test_a_gap_nothing_can_replay_is_a_restart(endpoints: tuple[str, str]) -> None:
-    events, replay = endpoints
-    publisher = vllm.FakeVllmPublisher(events, replay)
-    subscriber = EventSubscriber(events, replay)
-    try:
-        stream = await _connected(publisher, subscriber)
+async def test_a_gap_nothing_can_replay_is_a_restart() -> None:
+    async with wired() as (publisher, _, stream):
         n = publisher.next_seq
         publisher.send(vllm.AllBlocksCleared(), skip=True)
         publisher.forget_buffer()  # fell out of vLLM's buffer
         publisher.send(vllm.AllBlocksCleared())
         assert _seqs(await stream.take(2)) == ["restart", n + 1]
-    finally:
-        stream.stop()
-        subscriber.close()
-        publisher.close()
 
 
 @pytest.mark.anyio
-async def test_without_a_replay_socket_a_gap_is_a_restart(endpoints: tuple[str, str]) -> None:
-    events, _ = endpoints
-    publisher = vllm.FakeVllmPublisher(events, None)
-    subscriber = EventSubscriber(events)
-    try:
-        stream = await _connected(publisher, subscriber)
+async def test_without_a_replay_socket_a_gap_is_a_restart() -> None:
+    async with wired(replay=False) as (publisher, _, stream):
         n = publisher.next_seq
         publisher.send(vllm.AllBlocksCleared(), skip=True)
         publisher.send(vllm.AllBlocksCleared())
         assert _seqs(await stream.take(2)) == ["restart", n + 1]
-    finally:
-        stream.stop()
-        subscriber.close()
-        publisher.close()
 
 
 @pytest.mark.anyio
-async def test_numbering_that_starts_again_is_a_restart(endpoints: tuple[str, str]) -> None:
-    events, replay = endpoints
-    publisher = vllm.FakeVllmPublisher(events, replay)
-    subscriber = EventSubscriber(events, replay)
-    try:
-        stream = await _connected(publisher, subscriber)
+async def test_numbering_that_starts_again_is_a_restart() -> None:
+    async with wired() as (publisher, subscriber, stream):
         n, restarts = publisher.next_seq, subscriber.restarts
         publisher.send(vllm.AllBlocksCleared())
         publisher.restart_numbering()
         publisher.send(vllm.AllBlocksCleared())
         assert _seqs(await stream.take(3)) == [n, "restart", 0]
         assert subscriber.restarts == restarts + 1
-    finally:
-        stream.stop()
-        subscriber.close()
-        publisher.close()
 
 
 @pytest.mark.anyio
-async def test_a_catch_up_replays_what_vllm_still_buffers_without_duplicates(
-    endpoints: tuple[str, str],
-) -> None:
-    events, replay = endpoints
-    publisher = vllm.FakeVllmPublisher(events, replay)
-    subscriber = EventSubscriber(events, replay)
-    try:
-        stream = await _connected(publisher, subscriber)
+async def test_a_catch_up_replays_what_vllm_buffers_without_duplicates() -> None:
+    async with wired() as (publisher, subscriber, stream):
         subscriber.request_catch_up()
         n = publisher.send(vllm.AllBlocksCleared())  # on the live socket too
         assert _seqs(await stream.take(n + 1)) == list(range(n + 1))  # all buffered, in order
         publisher.send(vllm.AllBlocksCleared())
         assert _seqs(await stream.take(1)) == [n + 1]  # n, queued live too, was not repeated
         assert subscriber.restarts == 0
-    finally:
-        stream.stop()
-        subscriber.close()
-        publisher.close()
 
 
 @pytest.mark.anyio
-async def test_a_catch_up_takes_what_is_left_of_vllm_s_buffer(endpoints: tuple[str, str]) -> None:
-    events, replay = endpoints
-    publisher = vllm.FakeVllmPublisher(events, replay)
-    subscriber = EventSubscriber(events, replay)
-    try:
-        stream = await _connected(publisher, subscriber)
+async def test_a_catch_up_takes_what_is_left_of_vllm_s_buffer() -> None:
+    async with wired() as (publisher, subscriber, stream):
         n = publisher.send(vllm.AllBlocksCleared(), skip=True)
         publisher.forget_buffer(keep_latest=1)  # batches 0..n-1 fell out; n is still there
         subscriber.request_catch_up()
         assert _seqs(await stream.take(1)) == [n]
         publisher.send(vllm.AllBlocksCleared())
         assert _seqs(await stream.take(1)) == [n + 1]
-    finally:
-        stream.stop()
-        subscriber.close()
-        publisher.close()
