@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,9 @@ START_TIMEOUT = 60.0
 
 class Service:
     """A subprocess listening on a loopback port; ``ready`` decides when its /health is good.
-    ``env``: variables added to this process's environment."""
+    ``env``: variables added to this process's environment. It runs in a process group of its
+    own, killed whole: vLLM's engine core and workers are its children and would otherwise live
+    on, spinning on the cores of every later measurement."""
 
     def __init__(
         self, name: str, command: list[str], port: int, log: Path, env: dict[str, str] | None = None
@@ -28,7 +32,11 @@ class Service:
         self.log = log
         with log.open("wb") as out:
             self.process = subprocess.Popen(
-                command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+                command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
             )
 
     def wait(self, ready: Callable[[str], bool], timeout: float = START_TIMEOUT) -> None:
@@ -55,9 +63,10 @@ class Service:
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
+        """SIGKILL to the whole process group (children included), even if the leader is gone."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=10)
 
 
 def kvroute_command(subcommand: str, port: int, *args: str) -> list[str]:

@@ -25,6 +25,7 @@ from tests.helpers.waiting import wait_until
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.timeout(1800),  # the first test's set-up starts both servers, minutes each
     pytest.mark.smollm,
     pytest.mark.skipif(not installed(DEFAULT_VLLM_VENV), reason="vLLM's CPU build is not installed"),
 ]
