@@ -19,7 +19,7 @@ from loadtests.bench_vllm_fleet.fleet import VllmFleet, running_fleet
 from loadtests.bench_vllm_fleet.settings import FULL, Settings
 from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed
 from tests.helpers.faults import ADMIN, ADMIN_KEY, respawn
-from tests.helpers.metrics import sample_value
+from tests.helpers.metrics import sample_value, scrape
 from tests.helpers.processes import KvrouteProcess, ReplicaProcess
 from tests.helpers.waiting import wait_until
 
@@ -158,9 +158,8 @@ def test_a_restarted_bridge_catches_up_and_keeps_no_stale_blocks(
         # the reset's AllBlocksCleared is replayed too: nothing stale stays, nothing routes there
         with respawn(again, tmp_path / "bridge-3.log") as third:
             wait_until(lambda: _replicas(gateway.url) == 2, "the bridge to register again", timeout=15)
-            wait_until(
-                lambda: sample_value(third.url, "kvroute_bridge_replayed_batches_total") > 0, "the catch-up"
-            )
+            replayed = "kvroute_bridge_replayed_batches_total"
+            wait_until(lambda: sample_value(scrape(third.url), replayed) > 0, "the catch-up")
             assert redis.scard(blocks_key) == 0
             candidates = {c["replica_id"]: c for c in _route(gateway.url, body)["candidates"]}
             assert candidates[server_id]["matched_tokens"] == 0
