@@ -93,18 +93,11 @@ def measure(s: Settings) -> Measurement:
     return Measurement(machine, report)
 
 
-BENCHMARK = ComponentBenchmark(
-    BENCH,
+DESCRIPTION = (
     "kv vs round-robin over two vLLM CPU servers with kvroute bridges, shared-prefix workload,"
-    " KV pools too small for every prefix on every server.",
-    Sizes(FULL, QUICK),
-    resolve_settings,
-    measure,
-    preamble,
-    tables,
-    add_options,
+    " KV pools too small for every prefix on every server."
 )
-
-
-def main(argv: list[str] | None = None) -> int:
-    return BENCHMARK.main(argv)
+BENCHMARK = ComponentBenchmark(
+    BENCH, DESCRIPTION, Sizes(FULL, QUICK), resolve_settings, measure, preamble, tables, add_options
+)
+main = BENCHMARK.main
