@@ -38,18 +38,21 @@ def test_the_gateway_extra_brings_no_torch_and_no_aiohttp() -> None:
     assert requirement_names("all") >= HEAVY  # what scripts/run.sh installs
 
 
-def test_the_gateway_image_installs_the_gateway_extra_only() -> None:
+def test_the_gateway_image_installs_the_gateway_and_bridge_extras_only() -> None:
+    """No torch: the replica's sources come along only because ``kvroute`` (launcher.cli) and the
+    bridge's publisher import them, which needs no torch (the next test)."""
     dockerfile = (ROOT / "deploy" / "docker" / "Dockerfile.gateway").read_text(encoding="utf-8")
     installs = [line for line in dockerfile.splitlines() if line.startswith("RUN pip install")]
-    assert installs == ['RUN pip install ".[gateway]" && rm -rf /opt/kvroute/src \\']
-    assert "COPY replica" not in dockerfile and "COPY loadtests" not in dockerfile
+    assert installs == ['RUN pip install ".[gateway,bridge]" && rm -rf /opt/kvroute/src \\']
+    copied = {line.split()[1] for line in dockerfile.splitlines() if line.startswith("COPY ")}
+    assert copied == {"pyproject.toml", "kvroute", "gateway", "launcher", "replica", "bridge"}
 
 
 def test_the_gateway_runs_without_torch_or_aiohttp() -> None:
-    """Imported with both made unimportable: the app, its CLI and the whole request path."""
+    """Imported with both made unimportable: the app, its CLI, the whole request path, the bridge."""
     code = (
         "import sys; sys.modules['torch'] = sys.modules['aiohttp'] = None\n"
-        "import gateway.app, gateway.settings, launcher.cli\n"
+        "import gateway.app, gateway.settings, launcher.cli, bridge.server, bridge.service\n"
         "settings = gateway.settings.GatewaySettings(redis_url=None, replicas=('http://127.0.0.1:1',))\n"
         "gateway.app.build_app(settings)\n"
         "assert launcher.cli.main is not None"
