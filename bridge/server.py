@@ -68,6 +68,11 @@ class _BridgeCollector(Collector):
                 "vLLM blocks not indexed in this session: their parent was never seen.",
                 translator.unknown_parent,
             )
+            yield CounterMetricFamily(
+                "kvroute_bridge_skipped_blocks",
+                "vLLM blocks not indexed in this session: LoRA, multimodal or another KV cache group.",
+                translator.skipped,
+            )
 
 
 def build_app(

@@ -133,7 +133,9 @@ class Replica:
     def tokenizer_url(self) -> str:
         """Where its ``GET /kvroute/tokenizer`` is: a vLLM server's bridge names itself."""
         heartbeat = self.heartbeat
-        return heartbeat.tokenizer_url or self.url if heartbeat is not None else self.url
+        if heartbeat is None or heartbeat.tokenizer_url is None:
+            return self.url
+        return heartbeat.tokenizer_url
 
     @property
     def ejected(self) -> bool:
