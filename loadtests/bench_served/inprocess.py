@@ -16,8 +16,10 @@ class InProcessEngine:
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, threads=threads))
         self._next_id = 0
 
-    def output_throughput(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> float:
-        """Output tokens per second over the whole run, prefills included (as a served run)."""
+    def generate(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[int, float]:
+        """Output tokens and the seconds they took, prefills included (as a served run), from an
+        empty prefix cache."""
+        self.engine.reset_prefix_cache()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         queue, in_flight, produced = deque(prompts), 0, 0
         started = time.perf_counter()
@@ -29,4 +31,4 @@ class InProcessEngine:
             for output in self.engine.step():
                 produced += sum(len(delta.token_ids) for delta in output.deltas)
                 in_flight -= output.finished
-        return produced / (time.perf_counter() - started)
+        return produced, time.perf_counter() - started

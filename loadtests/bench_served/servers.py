@@ -1,10 +1,15 @@
-"""Starting the servers the served benchmark compares, each alone on the machine while measured."""
+"""Starting the servers the served benchmark compares, all at once: each idles while another is
+measured, so the cases can take turns and the host's drift over the minutes of a run falls on
+every server alike."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+
+import httpx
 
 from launcher.local_redis import free_port
 from loadtests.bench_served.settings import Settings, progress
@@ -19,30 +24,45 @@ def replica_command(s: Settings, port: int, name: str) -> list[str]:
     )  # fmt: skip
 
 
+@dataclass(frozen=True)
+class Server:
+    name: str  # kvroute (the replica direct), gateway (one in front of it) or vllm
+    url: str
+    cache_url: str  # the server whose prefix cache it answers from (the gateway's: its replica)
+
+
 @contextmanager
-def running(server: str, s: Settings, workdir: Path, name: str) -> Iterator[str]:
-    """The base URL of ``server`` (see ``SERVERS``), stopped on exit."""
+def running(s: Settings, workdir: Path, name: str) -> Iterator[list[Server]]:
+    """The servers, all stopped on exit. The gateway stands in front of the replica that is also
+    measured directly, so the two differ by the gateway alone."""
     services: list[Service] = []
     try:
-        if server == "vllm":
-            assert s.vllm is not None
+        port = free_port()
+        replica = Service("replica", replica_command(s, port, name), port, workdir / "replica.log")
+        services.append(replica)
+        replica.wait(health_ok)
+        port = free_port()
+        command = kvroute_command("gateway", port, "--replica", replica.url)
+        gateway = Service("gateway", command, port, workdir / "gateway.log")
+        services.append(gateway)
+        gateway.wait(gateway_sees_replica)
+        servers = [Server("kvroute", replica.url, replica.url), Server("gateway", gateway.url, replica.url)]
+        if s.vllm is not None:
             vllm = vllm_service(
                 s.vllm, s.model, free_port(), workdir / "vllm.log",
                 name=name, dtype=s.dtype, cores=f"0-{s.threads - 1}",
             )  # fmt: skip
             services.append(vllm)
             progress("starting vLLM (its warm-up takes a minute or two)")
-            services[-1].wait(health_ok, timeout=VLLM_START_TIMEOUT)
-        else:
-            port = free_port()
-            services.append(Service("replica", replica_command(s, port, name), port, workdir / "replica.log"))
-            services[-1].wait(health_ok)
-            if server == "gateway":
-                port = free_port()
-                command = kvroute_command("gateway", port, "--replica", services[0].url)
-                services.append(Service("gateway", command, port, workdir / "gateway.log"))
-                services[-1].wait(gateway_sees_replica)
-        yield services[-1].url
+            vllm.wait(health_ok, timeout=VLLM_START_TIMEOUT)
+            servers.append(Server("vllm", vllm.url, vllm.url))
+        yield servers
     finally:
         for service in reversed(services):
             service.kill()
+
+
+def empty_prefix_cache(url: str) -> None:
+    """``/reset_prefix_cache`` (the replica's, and vLLM's in its dev mode): every case starts cold
+    on every server, whatever an earlier case or server left cached."""
+    httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()

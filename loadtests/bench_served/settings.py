@@ -9,8 +9,6 @@ from loadtests.harness import reporter
 BENCH = "bench_served"
 progress = reporter(BENCH)
 
-SERVERS = ("kvroute", "gateway", "vllm")  # the replica direct, one gateway in front of it, vLLM
-
 # Sizes of a full run and of a --quick smoke run; explicit options override either.
 FULL = {
     "decode_prompts_1": 8,  # random prompts at concurrency 1
@@ -19,7 +17,7 @@ FULL = {
     "output_len": 64,
     "prefix_prompts": 32,  # prefix repetition: requests, each one of 4 prefixes + its own suffix
     "prefix_len": 1536,
-    "cold_prompts": 4,  # cold prefills of cold_len tokens, one token out
+    "cold_prompts": 8,  # cold prefills of cold_len tokens, one token out
     "cold_len": 1024,
     "threads": 2,
 }

@@ -59,6 +59,11 @@ class EngineConfig:
         "KV pool size in tokens, overriding --kv-cache-memory-gb (default: what that budget holds)",
     )
     kv_cache_memory_gb: float = option(1.0, "--kv-cache-memory-gb", "KV pool memory budget in GiB")
+    decode_context_mb: float = option(
+        256.0,
+        "--decode-context-mb",
+        "memory for the decodes' gathered K/V kept from step to step (0: gathered every step)",
+    )
     max_num_seqs: int = option(64, "--max-num-seqs", "sequences decoded together at most")
     # per step: prefill chunks and decodes
     max_num_batched_tokens: int = option(512, "--max-num-batched-tokens", "per-step token budget")

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from replica.model.decode_context import DecodeContext
+
 
 @dataclass
 class PrefillSpan:
@@ -33,6 +35,8 @@ class AttentionBatch:
     decode_pages: torch.Tensor | None  # [decodes, pages of the longest context] (padded)
     decode_bias: torch.Tensor | None  # [kv_heads * decodes, group, keys]: see decode_bias()
     prefills: list[PrefillSpan]
+    decode_context: DecodeContext | None = None  # the last step's gathered decode K/V
+    decode_positions: torch.Tensor | None = None  # [decodes]: each new token's index in that context
 
 
 def bottom_right_causal_mask(num_queries: int, num_keys: int, device: torch.device | str) -> torch.Tensor:
@@ -63,15 +67,18 @@ def paged_attention(
     new_kv: torch.Tensor,
     kv_cache: torch.Tensor,
     batch: AttentionBatch,
+    layer: int,
 ) -> torch.Tensor:
     """q: [tokens, heads, dim]; new_kv: [tokens, 2, kv_heads, dim];
-    kv_cache: [2, kv_heads, pages, page_size, dim] (one layer of the pool)."""
+    kv_cache: [2, kv_heads, pages, page_size, dim] (the pool's layer ``layer``)."""
     two, kv_heads, pages, page_size, dim = kv_cache.shape
     slots = kv_cache.view(two, kv_heads, pages * page_size, dim)
     slots.index_copy_(2, batch.slot_mapping, new_kv.permute(1, 2, 0, 3))
     outputs: list[torch.Tensor] = []
     if batch.num_decodes:
-        outputs.append(_decode_attention(q[: batch.num_decodes], kv_cache, batch))
+        decodes = batch.num_decodes
+        context = _decode_context(new_kv[:decodes], kv_cache, batch, layer)
+        outputs.append(_decode_attention(q[:decodes], context, batch))
     for span in batch.prefills:
         end = span.start + span.length
         if span.context_pages is None:
@@ -90,7 +97,24 @@ def paged_attention(
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+def _decode_context(
+    new_kv: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionBatch, layer: int
+) -> torch.Tensor:
+    """The decodes' contexts, one padded row each: [2, kv_heads, decodes * keys, dim]. Gathered
+    from the pool (after this step's tokens went in), or the last step's with those appended."""
+    carried = batch.decode_context
+    if carried is not None and carried.carry:
+        context = carried.layers[layer]
+        assert context is not None and batch.decode_positions is not None
+        return context.index_copy_(2, batch.decode_positions, new_kv.permute(1, 2, 0, 3))
+    assert batch.decode_pages is not None
+    context = _gather_pages(kv_cache, batch.decode_pages.reshape(-1))
+    if carried is not None and carried.keep:
+        carried.layers[layer] = context
+    return context
+
+
+def _decode_attention(q: torch.Tensor, context: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
     """One new query per sequence against its whole context: q [decodes, heads, dim].
 
     Written as two batched matmuls and a softmax, as transformers' eager attention computes it
@@ -99,11 +123,10 @@ def _decode_attention(q: torch.Tensor, kv_cache: torch.Tensor, batch: AttentionB
     faster at 160-1,200 tokens of context. The query heads that share a KV head are that head's
     query rows, so each (KV head, sequence) is one small matrix product.
     """
-    assert batch.decode_pages is not None and batch.decode_bias is not None
+    assert batch.decode_bias is not None
     decodes, heads, dim = q.shape
-    kv_heads = kv_cache.shape[1]
+    kv_heads = context.shape[1]
     group = heads // kv_heads
-    context = _gather_pages(kv_cache, batch.decode_pages.reshape(-1))  # [2, kv_heads, decodes*keys, dim]
     keys = context.shape[2] // decodes
     k = context[0].view(kv_heads * decodes, keys, dim)
     v = context[1].view(kv_heads * decodes, keys, dim)

@@ -99,7 +99,7 @@ class DecoderLM:
                 )
             rotate_(qkv[:, : heads + kv_heads], cos, sin)
             new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, cfg.head_dim)
-            attn = paged_attention(qkv[:, :heads], new_kv, kv_cache[index], batch)
+            attn = paged_attention(qkv[:, :heads], new_kv, kv_cache[index], batch, index)
             hidden = hidden + layer.o(attn.reshape(tokens, self.q_size))
             h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)

@@ -3,6 +3,7 @@ tensors, runs the model and samples the next tokens (the engine's only torch-dep
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -14,6 +15,7 @@ from replica.engine.sequence import Sequence
 from replica.kvcache.pool import KVPool, pool_pages
 from replica.model.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask, decode_bias
 from replica.model.config import ModelConfig
+from replica.model.decode_context import DecodeContext
 from replica.model.decoder import DecoderLM
 from replica.model.sampler import sample
 
@@ -40,12 +42,13 @@ def resolve_dtype(name: str, config: ModelConfig, device: str) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, model: DecoderLM, pool: KVPool, device: str) -> None:
+    def __init__(self, model: DecoderLM, pool: KVPool, device: str, decode_context_bytes: int = 0) -> None:
         self.model = model
         self.pool = pool
         self.device = device
         self.page_size = pool.page_size
         self._page_offsets = torch.arange(pool.page_size, device=device)
+        self._decode_context = DecodeContext(model.config.num_layers, decode_context_bytes)
 
     @classmethod
     def load(cls, config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
@@ -64,7 +67,7 @@ class ModelRunner:
             dtype,
             config.device,
         )
-        return cls(model, pool, config.device)
+        return cls(model, pool, config.device, int(config.decode_context_mb * 1024**2))
 
     @property
     def description(self) -> str:
@@ -100,6 +103,7 @@ class ModelRunner:
         hidden = self.model.forward(
             torch.tensor(input_ids, device=self.device), positions_t, attention, self.pool.kv
         )
+        self._decode_context.end()
         samplers: list[Sequence] = []
         rows: list[int] = []
         offset = 0
@@ -125,22 +129,12 @@ class ModelRunner:
         spans: list[tuple[Sequence, int, int]],
     ) -> AttentionBatch:
         size = self.page_size
-        decode_pages = bias = None
         slot_parts: list[torch.Tensor] = []
-        if batch.decodes:
-            lengths = torch.tensor([seq.num_computed + 1 for seq in batch.decodes], device=self.device)
-            width = -(-int(lengths.max()) // size)
-            table = [(seq.page_table + [0] * width)[:width] for seq in batch.decodes]
-            decode_pages = torch.tensor(table, device=self.device)
-            new_slots = [
-                seq.page_table[seq.num_computed // size] * size + seq.num_computed % size
-                for seq in batch.decodes
-            ]
-            slot_parts.append(torch.tensor(new_slots, device=self.device))
-            cfg = self.model.config
-            bias = decode_bias(
-                lengths, width * size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, self.model.dtype
-            )
+        decode = self._decode_batch(batch.decodes) if batch.decodes else None
+        if decode is None:
+            self._decode_context.clear()
+        else:
+            slot_parts.append(decode.new_slots)
         prefills: list[PrefillSpan] = []
         flat = len(batch.decodes)
         for seq, start, length in spans[len(batch.decodes) :]:
@@ -154,4 +148,45 @@ class ModelRunner:
                 prefills.append(PrefillSpan(flat, length, torch.tensor(pages, device=self.device), mask))
             flat += length
         slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
-        return AttentionBatch(slot_mapping, len(batch.decodes), decode_pages, bias, prefills)
+        if decode is None:
+            return AttentionBatch(slot_mapping, 0, None, None, prefills)
+        return AttentionBatch(
+            slot_mapping,
+            len(batch.decodes),
+            decode.pages,
+            decode.bias,
+            prefills,
+            self._decode_context,
+            decode.positions,
+        )
+
+    def _decode_batch(self, decodes: list[Sequence]) -> _DecodeBatch:
+        """The decodes' page tables (padded to the longest), mask, slots and context positions;
+        tells the decode context whether this step carries the last one's over."""
+        size, cfg = self.page_size, self.model.config
+        lengths = [seq.num_computed + 1 for seq in decodes]  # each context, this token included
+        width = -(-max(lengths) // size)
+        keys = width * size
+        row_bytes = 2 * cfg.num_kv_heads * keys * cfg.head_dim * self.pool.kv.element_size()
+        self._decode_context.begin(decodes, lengths, width, row_bytes * len(decodes))
+        table = [(seq.page_table + [0] * width)[:width] for seq in decodes]
+        new_slots = [
+            seq.page_table[(n - 1) // size] * size + (n - 1) % size
+            for seq, n in zip(decodes, lengths, strict=True)
+        ]
+        group = cfg.num_heads // cfg.num_kv_heads
+        lengths_t = torch.tensor(lengths, device=self.device)
+        return _DecodeBatch(
+            pages=torch.tensor(table, device=self.device),
+            bias=decode_bias(lengths_t, keys, cfg.num_kv_heads, group, self.model.dtype),
+            new_slots=torch.tensor(new_slots, device=self.device),
+            positions=torch.tensor([row * keys + n - 1 for row, n in enumerate(lengths)], device=self.device),
+        )
+
+
+@dataclass
+class _DecodeBatch:
+    pages: torch.Tensor  # [decodes, width]
+    bias: torch.Tensor  # see decode_bias()
+    new_slots: torch.Tensor  # [decodes]: where each new token's K/V goes in the pool
+    positions: torch.Tensor  # [decodes]: ... and in the decode context's rows
