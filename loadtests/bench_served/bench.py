@@ -11,7 +11,7 @@ from typing import Any
 
 from kvroute.text.tokenizer import TextTokenizer
 from loadtests.bench_served.inprocess import InProcessEngine
-from loadtests.bench_served.servers import empty_prefix_cache, running
+from loadtests.bench_served.servers import empty_prefix_cache, running, wait_for_quiet_cores
 from loadtests.bench_served.settings import (
     BENCH,
     FULL,
@@ -159,12 +159,16 @@ def measure(s: Settings) -> Measurement:
             records: dict[str, list[RequestRecord]] = {who: [] for who in names}
             seconds = dict.fromkeys(names, 0.0)
             produced = 0
+            waits: list[float] = []
             progress(
                 f"{case}: {workload.num_requests} requests, concurrency {concurrency}, on {', '.join(names)}"
             )
             for number, block in enumerate(blocks(workload, concurrency)):
                 shift = (turn + number) % len(names)
                 for who in names[shift:] + names[:shift]:
+                    if who != IN_PROCESS:
+                        empty_prefix_cache(cache_urls[who])
+                    waits.append(wait_for_quiet_cores())
                     if who == IN_PROCESS:
                         tokens, elapsed = engine.generate(
                             token_prompts(tokenizer, block), concurrency, s.output_len
@@ -172,10 +176,10 @@ def measure(s: Settings) -> Measurement:
                         produced += tokens
                         seconds[who] += elapsed
                         continue
-                    empty_prefix_cache(cache_urls[who])
                     result = asyncio.run(run_workload(endpoints[who], block, concurrency, float("inf"), 0))
                     records[who] += result.records
                     seconds[who] += result.duration_s
+            progress(f"{case}: waited for quiet cores {max(waits):.2f} s at most before a turn")
             for who in endpoints:
                 results[who][case] = summarize(records[who], seconds[who])
             if IN_PROCESS in names:

@@ -4,6 +4,7 @@ every server alike."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,3 +67,30 @@ def empty_prefix_cache(url: str) -> None:
     """``/reset_prefix_cache`` (the replica's, and vLLM's in its dev mode): every case starts cold
     on every server, whatever an earlier case or server left cached."""
     httpx.post(f"{url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+
+QUIET_BUSY = 0.1  # of all cores: what counts as idle
+QUIET_WINDOW_S = 0.1
+
+
+def wait_for_quiet_cores(timeout: float = 10.0) -> float:
+    """Waits until the cores are idle for a window; returns the seconds waited. A server's OpenMP
+    threads go on spinning for a while after its last request (vLLM's for a good part of a
+    second), and the next turn must not start on cores still taken by the last one."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        before = _cpu_ticks()
+        time.sleep(QUIET_WINDOW_S)
+        after = _cpu_ticks()
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total and busy / total < QUIET_BUSY:
+            break
+    return time.monotonic() - started
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores, from /proc/stat's first line."""
+    with open("/proc/stat") as stat:
+        fields = [int(x) for x in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
