@@ -19,7 +19,6 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Callable
 from contextlib import aclosing
 from dataclasses import KW_ONLY, dataclass
 
@@ -61,7 +60,6 @@ class _Dispatched:
     metrics: ModelMetrics
     started: float  # time.monotonic() when the request came in
     forward_usage: bool  # the client asked for the usage event of a stream
-    abandon: Callable[[str], None]  # watched by the fleet until the request is over
 
     def headers(self) -> list[tuple[bytes, bytes]]:
         return [
@@ -218,9 +216,7 @@ class Pipeline:
             predicted=predicted,
             retries=len(upstream.failures),
         )
-        return _Dispatched(
-            replica, ticket, response, predicted, metrics, started, client_wants_usage, response.abandon
-        )
+        return _Dispatched(replica, ticket, response, predicted, metrics, started, client_wants_usage)
 
     async def _open(
         self,
@@ -232,11 +228,11 @@ class Pipeline:
         """``open_upstream`` down ``ordered``, each attempt watched by the fleet (given up if its
         replica leaves the index or is ejected); the one that answers stays watched."""
         by_url = {replica.url: replica for replica in ordered}
-        watched: list[tuple[Replica, Callable[[str], None]]] = []
+        watched: list[tuple[Replica, UpstreamResponse]] = []
 
         def watch(url: str, response: UpstreamResponse) -> None:
-            self.fleet.watch(by_url[url], response.abandon)
-            watched.append((by_url[url], response.abandon))
+            self.fleet.watch(by_url[url], response)
+            watched.append((by_url[url], response))
 
         opening = open_upstream(
             self.upstream,
@@ -256,15 +252,15 @@ class Pipeline:
                 raise ClientDisconnect()
             return upstream
         finally:
-            kept = None if upstream is None else upstream.response.abandon
-            for replica, abandon in watched:
-                if abandon != kept:
-                    self.fleet.unwatch(replica, abandon)
+            kept = None if upstream is None else upstream.response
+            for replica, response in watched:
+                if response is not kept:
+                    self.fleet.unwatch(replica, response)
 
     def _over(self, sent: _Dispatched) -> None:
         """The request is no longer in flight at its replica."""
         self.fleet.done(sent.ticket)
-        self.fleet.unwatch(sent.replica, sent.abandon)
+        self.fleet.unwatch(sent.replica, sent.response)
 
     async def _relay_whole(self, send: Send, sent: _Dispatched) -> None:
         replica, response = sent.replica, sent.response

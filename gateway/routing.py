@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from gateway.fleet.fleet import Fleet, Roster
@@ -200,6 +201,7 @@ class Router:
         matches = self.mirror.lookup_with_predictions(model, hashes)
         candidates = []
         for replica in replicas:
+            replica.flights.settle_prefills(partial(self.mirror.holds, replica.replica_id))
             match = matches.get(replica.replica_id)
             comparable = replica.fingerprint == fingerprint and replica.block_size == block_size
             candidates.append(
@@ -235,4 +237,5 @@ class Router:
         returns the fleet's ticket for it."""
         self.mirror.predict(replica.replica_id, plan.hashes, self.prediction_ttl_s)
         predicted = plan.predicted_tokens.get(replica.replica_id, 0)
-        return self.fleet.sent(replica, prompt_tokens - predicted, sequences)
+        last_block = plan.hashes[-1] if plan.hashes else None
+        return self.fleet.sent(replica, prompt_tokens - predicted, sequences, last_block)

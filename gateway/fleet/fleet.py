@@ -16,16 +16,22 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from prometheus_client import Counter
 
-from gateway.fleet.replica import InFlight, Replica, ReplicaStats, StaticReplica
+from gateway.fleet.replica import InFlight, Replica, ReplicaStats, StaticReplica, Watched
 from gateway.index.snapshots import ReplicaHeartbeat
 from kvroute.protocol import replica_id_for
 
 log = logging.getLogger("kvroute.gateway.health")
+
+# A stream from a replica whose heartbeat ended is given up once no byte has come for this long
+# (checked at every poll): a hung replica's heartbeat expires seconds after its last token, while
+# one that stops gracefully (it leaves the index first, then finishes what it serves) or only lost
+# Redis (its publisher, a bridge) keeps streaming.
+STREAM_SILENCE_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +78,7 @@ class Fleet:
         self._ejections = ejections
         self._records: dict[str, Replica] = {}
         self._redis: list[Replica] = []  # listed by Redis at the last poll, sorted by id
+        self._left: list[Replica] = []  # no longer listed, with answers still streaming from them
         self.static_urls = [url.rstrip("/") for url in static_urls]
         self._static = {url: self._record(replica_id_for(url)) for url in self.static_urls}
         self._answering: list[Replica] = []  # static replicas that answered their discovery, by id
@@ -108,14 +115,18 @@ class Fleet:
             replica.describe()
             listed.append(replica)
         ids = {beat.replica_id for beat in heartbeats}
-        for replica in self._redis:
-            if replica.replica_id not in ids:
-                replica.heartbeat = None
-                replica.describe()
-                if replica.static is None:
-                    self._abandon(
-                        replica, f"replica {replica.replica_id} left the index (its heartbeat ended)"
-                    )
+        left = [replica for replica in self._redis if replica.replica_id not in ids]
+        for replica in left:
+            replica.heartbeat = None
+            replica.describe()
+        self._left = [r for r in (*self._left, *left) if r.replica_id not in ids and r.static is None]
+        for replica in self._left:
+            self._abandon(
+                replica,
+                f"replica {replica.replica_id} left the index (its heartbeat ended)",
+                spare_streaming=True,
+            )
+        self._left = [replica for replica in self._left if replica.watched]
         self._redis = listed
         self._shared_drains = drained
         self._changed()
@@ -240,25 +251,31 @@ class Fleet:
 
     # -- in flight ----------------------------------------------------------------------------------
 
-    def watch(self, replica: Replica, abandon: Callable[[str], None]) -> None:
-        """``abandon(why)`` gives up a request waiting on or streaming from ``replica`` if the index
-        drops it or it is ejected: one not answered yet goes to the next replica, a stream ends in
-        an error event, instead of waiting out a wedged replica (``unwatch`` when it is over)."""
-        replica.abandons.add(abandon)
+    def watch(self, replica: Replica, answer: Watched) -> None:
+        """Gives up ``answer`` (a request waiting on or streaming from ``replica``) if it is ejected,
+        or if the index drops it and no bytes stream (``STREAM_SILENCE_S``): one not answered yet
+        goes to the next replica, a stream ends in an error event, instead of waiting out a wedged
+        replica (``unwatch`` when it is over)."""
+        replica.watched.add(answer)
 
-    def unwatch(self, replica: Replica, abandon: Callable[[str], None]) -> None:
-        replica.abandons.discard(abandon)
+    def unwatch(self, replica: Replica, answer: Watched) -> None:
+        replica.watched.discard(answer)
 
-    def _abandon(self, replica: Replica, why: str) -> None:
-        abandons, replica.abandons = replica.abandons, set()
-        for abandon in abandons:
-            abandon(why)
+    def _abandon(self, replica: Replica, why: str, *, spare_streaming: bool = False) -> None:
+        """Gives up the answers under way from ``replica`` (but those still streaming, if asked)."""
+        given_up = [a for a in replica.watched if not (spare_streaming and a.flowing(STREAM_SILENCE_S))]
+        replica.watched.difference_update(given_up)
+        for answer in given_up:
+            answer.abandon(why)
 
-    def sent(self, replica: Replica, uncached_tokens: int, sequences: int = 1) -> int:
-        """Records a request in flight to ``replica``; returns the ticket to pass to ``done``."""
+    def sent(
+        self, replica: Replica, uncached_tokens: int, sequences: int = 1, last_block: int | None = None
+    ) -> int:
+        """Records a request in flight to ``replica``; returns the ticket to pass to ``done``.
+        ``last_block``: its prompt's last full block hash, whose event ends its counted prefill."""
         self._next_ticket += 1
         ticket = self._next_ticket
-        replica.flights.add(ticket, InFlight(time.time(), uncached_tokens, sequences))
+        replica.flights.add(ticket, InFlight(time.time(), uncached_tokens, sequences), last_block)
         self._flying[ticket] = replica
         return ticket
 

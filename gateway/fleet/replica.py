@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from gateway.index.snapshots import ReplicaHeartbeat
 
@@ -38,10 +39,20 @@ class ReplicaStats:
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens, what the replica really reused
 
 
+class Watched(Protocol):
+    """An answer under way from a replica (``gateway.proxy.connection.UpstreamResponse``)."""
+
+    def abandon(self, why: str) -> None:
+        """Gives it up: ``why`` is the failure its reader sees."""
+
+    def flowing(self, within_s: float) -> bool:
+        """Whether its body bytes came within the last ``within_s`` seconds, and more may come."""
+
+
 @dataclass
 class InFlight:
     sent_at: float  # unix time, comparable with heartbeat ``ts``
-    uncached_tokens: int
+    uncached_tokens: int  # prefill still to do, as far as this gateway knows (0 once it is seen done)
     sequences: int  # engine sequences it makes: prompts x n
 
 
@@ -50,22 +61,40 @@ class Flights:
     come and go, so routing reads them in O(1)): all of them, and those sent after ``since``, the
     time of the heartbeat last asked about."""
 
-    __slots__ = ("flights", "pending", "pending_tokens", "sequences", "since", "tokens")
+    __slots__ = ("flights", "pending", "pending_tokens", "prefilling", "sequences", "since", "tokens")
 
     def __init__(self) -> None:
         self.flights: dict[int, InFlight] = {}  # by ticket
+        # ticket -> its prompt's last full block, for those whose prefill is not yet seen over
+        self.prefilling: dict[int, int] = {}
         self.sequences = 0
         self.tokens = 0
         self.since = 0.0
         self.pending = 0
         self.pending_tokens = 0
 
-    def add(self, ticket: int, flight: InFlight) -> None:
+    def add(self, ticket: int, flight: InFlight, last_block: int | None = None) -> None:
         self.flights[ticket] = flight
+        if last_block is not None and flight.uncached_tokens:
+            self.prefilling[ticket] = last_block
         self.count(flight, 1)
 
     def remove(self, ticket: int) -> None:
+        self.prefilling.pop(ticket, None)
         self.count(self.flights.pop(ticket), -1)
+
+    def settle_prefills(self, holds: Callable[[int], bool]) -> None:
+        """Stops counting the prefill of every request whose last full prompt block the replica's
+        events have stored (``holds``): its prefill is over, though the heartbeat that says so may
+        be a second away. Without this, a whole (unstreamed) request sent just before a chat's next
+        turn weighed its full prompt on its replica until it ended, and the next turn could leave."""
+        for ticket, last_block in list(self.prefilling.items()):
+            if holds(last_block):
+                del self.prefilling[ticket]
+                flight = self.flights[ticket]
+                self.count(flight, -1)
+                flight.uncached_tokens = 0
+                self.count(flight, 1)
 
     def count(self, flight: InFlight, sign: int) -> None:
         """Adds (sign 1) or takes away (-1) one flight in the totals."""
@@ -93,7 +122,6 @@ class Replica:
     """
 
     __slots__ = (
-        "abandons",
         "block_size",
         "drained",
         "ejected_url",
@@ -106,6 +134,7 @@ class Replica:
         "static",
         "stats",
         "url",
+        "watched",
     )
 
     def __init__(self, replica_id: str) -> None:
@@ -121,8 +150,7 @@ class Replica:
         self.drained = False  # through any gateway (shared in Redis), or through this one
         self.flights = Flights()
         self.stats = ReplicaStats()
-        # how to give up each request waiting on or streaming from it (``Fleet.watch``)
-        self.abandons: set[Callable[[str], None]] = set()
+        self.watched: set[Watched] = set()  # answers waiting on or streaming from it (``Fleet.watch``)
 
     @property
     def source(self) -> str:

@@ -117,6 +117,11 @@ class BlockIndex:
     def has_replica(self, replica_id: str) -> bool:
         return replica_id in self._replicas
 
+    def holds(self, replica_id: str, block_hash: int) -> bool:
+        """Whether the replica's events have confirmed ``block_hash`` (predictions do not count)."""
+        replica = self._replicas.get(replica_id)
+        return replica is not None and block_hash in replica.blocks
+
     def num_blocks(self, replica_id: str) -> int:
         """How many blocks the replica is known to hold (0 for an unknown id)."""
         replica = self._replicas.get(replica_id)

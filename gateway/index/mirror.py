@@ -196,6 +196,9 @@ class IndexMirror:
     def lookup_with_predictions(self, model: str, hashes: Sequence[int]) -> dict[str, PrefixMatch]:
         return self.index.lookup_with_predictions(model, hashes)
 
+    def holds(self, replica_id: str, block_hash: int) -> bool:
+        return self.index.holds(replica_id, block_hash)
+
     def predict(self, replica_id: str, hashes: Sequence[int], ttl_s: float) -> None:
         """Counts ``hashes`` as held by the replica for ``ttl_s`` unless its events confirm them
         first; ignored for a replica dropped meanwhile (or never indexed: a static one)."""

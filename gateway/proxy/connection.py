@@ -11,6 +11,7 @@ frees its pages.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Protocol, cast
 
 import httptools
@@ -50,12 +51,14 @@ class UpstreamResponse:
         self.failure: UpstreamError | None = None
         self._chunks: list[bytes] = []
         self._unread = 0
+        self._last_data: float | None = None  # time.monotonic() of the last body bytes
         self._whole = False  # the reader wants all of the body: never pause the connection
         self._waiter: asyncio.Future[None] | None = None
 
     # -- the connection's side ---------------------------------------------------------------------
 
     def _body(self, data: bytes) -> None:
+        self._last_data = time.monotonic()
         self._chunks.append(data)
         self._unread += len(data)
         if self._unread > PAUSE_BYTES and not self._whole and self._connection is not None:
@@ -99,6 +102,12 @@ class UpstreamResponse:
         self._finish(UpstreamError(why))
         if connection is not None:
             connection.drop()
+
+    def flowing(self, within_s: float) -> bool:
+        """Whether body bytes are still arriving: some came in the last ``within_s`` seconds and
+        the answer is not over. A replica that streams is alive, whatever its heartbeat says."""
+        last = self._last_data
+        return self._connection is not None and last is not None and time.monotonic() - last < within_s
 
     @property
     def has_data(self) -> bool:

@@ -3,8 +3,10 @@ the answer arrives stays on the replica that holds its history, with the default
 the default heartbeat and poll intervals. On the tiny test model a 24-token answer spans a good
 part of a heartbeat interval, so the heartbeat the gateway holds when the next turn comes often
 still counts the request that just finished; the gateway must take it out itself (without that,
-a third to a half of these runs lost a turn). The same chat on the real default model, through
-``kvroute up``: tests/stack/test_stack.py."""
+a third to a half of these runs lost a turn). Likewise a whole request sent to that replica just
+before the next turn counts its prefill only until the replica's events store its prompt (with
+its whole prompt counted for up to a second, about one run in ten lost a turn). The same chat on
+the real default model, through ``kvroute up``: tests/stack/test_stack.py."""
 
 from __future__ import annotations
 

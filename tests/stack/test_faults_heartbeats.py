@@ -1,6 +1,7 @@
 """Heartbeats after a fault, with real processes: an idle replica must register again once a Redis
-stall is over, and a gateway must let go of replicas whose heartbeats all stopped once its grace
-period is over.
+stall is over, a gateway must let go of replicas whose heartbeats all stopped once its grace
+period is over, and a stream from a replica that leaves the index while it still streams (a
+graceful stop) must run to its end.
 
 Each test prints its figures (``pytest -s``) and asserts its target; docs/RELIABILITY.md records the
 latest run's.
@@ -9,6 +10,8 @@ latest run's.
 from __future__ import annotations
 
 import asyncio
+import json
+import signal
 import time
 from pathlib import Path
 
@@ -17,7 +20,7 @@ import pytest
 
 from kvroute.protocol import Keys
 from launcher.local_redis import RedisServer
-from tests.helpers.faults import sim_args
+from tests.helpers.faults import chat_body, sim_args, sim_profile
 from tests.helpers.processes import ReplicaProcess, running_stack, stopped
 from tests.helpers.waiting import wait_until_async
 
@@ -113,3 +116,45 @@ async def test_replicas_whose_heartbeats_all_stop_leave_after_the_grace(
     )
     assert gone is not None, f"the gateway still lists {still} replicas whose heartbeats stopped"
     assert reply is not None and reply.status_code == 503 and reply.headers.get("retry-after")
+
+
+STREAM_TOKENS = 200  # 4 s at the sim's 20 ms a step: the stop comes early in it
+
+
+async def test_a_stream_from_a_replica_stopping_gracefully_runs_to_its_end(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    """A replica SIGTERMed while it streams through the gateway leaves the index at once (so no new
+    request goes there) and finishes what it serves: the stream reaches all its tokens and its
+    usage, with no error event, though the gateway saw its heartbeat end seconds before."""
+    profile = sim_profile(tmp_path / "steady.json", decode_s=0.02)
+    with running_stack(llama_dir, tmp_path, 2, replica_args=sim_args(profile)) as stack:
+        gateway, by_id = stack.gateway.url, {replica.replica_id: replica for replica in stack.replicas}
+        body = chat_body(stack.model, "Tell me a long story.", STREAM_TOKENS, stream=True)
+        events: list[dict[str, object]] = []
+        async with httpx.AsyncClient(timeout=30) as client:
+            async with client.stream("POST", f"{gateway}/v1/chat/completions", json=body) as reply:
+                assert reply.status_code == 200
+                victim = by_id[reply.headers["x-kvroute-replica"]]
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    events.append(json.loads(line.removeprefix("data: ")))
+                    if len(events) == 10:
+                        victim.process.send_signal(signal.SIGTERM)
+                        stopped_at = time.monotonic()
+                ended_in = time.monotonic() - stopped_at
+            after = await client.post(f"{gateway}/v1/chat/completions", json={**body, "max_tokens": 1})
+        exit_code = victim.process.wait(timeout=30)
+    errors = [event for event in events if "error" in event]
+    usage = next((event["usage"] for event in events if event.get("usage")), {})
+    assert isinstance(usage, dict)
+    print(
+        f"\n[replica SIGTERMed mid-stream] the stream went on {ended_in:.2f} s after the signal:"
+        f" {usage.get('completion_tokens')} tokens of {STREAM_TOKENS}, {len(errors)} errors; the next"
+        f" request went to {after.headers.get('x-kvroute-replica')}; the replica exited {exit_code}"
+    )
+    assert not errors, errors
+    assert usage.get("completion_tokens") == STREAM_TOKENS, usage
+    assert ended_in > 1.5, "the stream ended before the gateway could see the replica leave"
+    assert after.status_code == 200 and after.headers["x-kvroute-replica"] != victim.replica_id

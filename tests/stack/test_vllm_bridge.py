@@ -91,7 +91,7 @@ def test_kv_routing_beats_round_robin_on_shared_prefixes(fleet: VllmFleet, smoll
     tokenizer = TextTokenizer.from_dir(smollm2_dir)
     kv = measure_policy(fleet, "kv", settings, tokenizer, smollm2_dir.name)
     rr = measure_policy(fleet, "round-robin", settings, tokenizer, smollm2_dir.name)
-    assert kv["failed"] == rr["failed"] == 0
+    assert kv["failed"] == rr["failed"] == 0, (kv["errors"], rr["errors"])
     assert kv["median_ttft_ms"] < rr["median_ttft_ms"], (kv, rr)
     assert kv["cached_token_ratio"] > rr["cached_token_ratio"], (kv, rr)
 

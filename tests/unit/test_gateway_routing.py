@@ -147,3 +147,77 @@ def test_requests_still_in_flight_keep_counting_against_a_heartbeat_that_names_t
     time.sleep(0.01)
     sent(router, "a", 70)
     assert load_of_a() == 70 + 4 * DECODE_WEIGHT  # sent after the heartbeat: added
+
+
+def test_a_request_whose_prompt_the_replica_has_stored_no_longer_counts_its_prefill() -> None:
+    """Three chats on three replicas, as a first-time user's test might send them: chat C's first
+    (unstreamed) turn went to the replica that holds chat B (a shared template prefix), moments
+    before B's next turn. While C's prefill may still be queued there, B's history does not
+    outweigh it and B leaves (the cost model's choice, 212 against 208 here); once the replica's
+    events store C's last full prompt block, C's prefill is over, and B stays, though no heartbeat
+    has said so yet."""
+    router = new_router(make_policy("kv"), gateway_id=GATEWAY)
+    mirror, seed = router.mirror, model_seed("m", "fp")
+    for replica_id in ("holder", "idle"):
+        mirror.index.add_replica(replica_id, "m")
+    taken_at = time.time() - 0.2  # the heartbeats predate C's turn
+    replicas = [replica("holder", taken_at), replica("idle", taken_at)]
+    chat_b = PromptIds.of(range(208))
+    mirror.index.stored("holder", chat_b.block_hashes(16, seed)[:11])  # 176 tokens of B's history
+    chat_c = PromptIds.of(range(1000, 1116))  # 7 full blocks, nothing cached anywhere
+    plan_c = route(router, replicas, chat_c)
+    holder = router.fleet.get("holder")
+    assert holder is not None
+    router.commit(plan_c, holder, len(chat_c), 1)
+    scores = {s.replica_id: s.cost for s in route(router, replicas, chat_b).decision.scores}
+    assert scores == {"holder": 208 - 176 + 64 + 116, "idle": 208}
+    mirror.index.stored("holder", chat_c.block_hashes(16, seed))  # C's prefill is done
+    plan_b = route(router, replicas, chat_b)
+    assert plan_b.decision.replica_id == "holder", plan_b.decision.scores
+    assert {s.replica_id: s.cost for s in plan_b.decision.scores} == {"holder": 208 - 176 + 64, "idle": 208}
+
+
+class Answer:
+    """An answer under way, as the fleet watches it: streaming (bytes came lately) or not."""
+
+    def __init__(self, streaming: bool) -> None:
+        self.streaming = streaming
+        self.given_up: str | None = None
+
+    def abandon(self, why: str) -> None:
+        self.given_up = why
+
+    def flowing(self, within_s: float) -> bool:
+        return self.streaming
+
+
+def test_a_replica_that_leaves_the_index_keeps_its_streams_while_they_flow() -> None:
+    """Its heartbeat ended: an answer not streaming is given up at once (to be retried elsewhere);
+    a stream still flowing is let run, and given up at a later poll once it goes silent, unless
+    the replica is back; an ejection gives up everything."""
+    fleet = new_router(make_policy("kv")).fleet
+    now = time.time()
+    fleet.heard([replica("a", now), replica("b", now)], frozenset())
+    a, b = fleet.get("a"), fleet.get("b")
+    assert a is not None and b is not None
+    waiting, streaming, other = Answer(streaming=False), Answer(streaming=True), Answer(streaming=True)
+    for answer in (waiting, streaming):
+        fleet.watch(a, answer)
+    fleet.watch(b, other)
+    fleet.heard([replica("b", now)], frozenset())  # a's heartbeat ended
+    assert waiting.given_up is not None and "left the index" in waiting.given_up
+    assert streaming.given_up is None and other.given_up is None
+    fleet.heard([replica("b", now)], frozenset())  # still flowing at the next poll
+    assert streaming.given_up is None
+    streaming.streaming = False
+    fleet.heard([replica("b", now)], frozenset())  # silent now: given up
+    assert streaming.given_up is not None
+    back = Answer(streaming=True)
+    fleet.watch(a, back)
+    fleet.heard([replica("a", now), replica("b", now)], frozenset())  # a is back: nothing given up
+    back.streaming = False
+    fleet.heard([replica("a", now), replica("b", now)], frozenset())
+    assert back.given_up is None
+    for _ in range(3):
+        fleet.failed(b, "connection reset")
+    assert other.given_up is not None and "ejected" in other.given_up
