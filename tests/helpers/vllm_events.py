@@ -118,11 +118,11 @@ class FakeVllmPublisher:
                 continue
             client, _, start = self._replay.recv_multipart()
             first = int.from_bytes(start, "big")
+            self.replays_served += 1  # before the answer: a subscriber may act on it at once
             for seq, body in list(self._buffer):
                 if seq >= first:
                     self._replay.send_multipart((client, b"", self._topic, seq.to_bytes(8, "big"), body))
             self._replay.send_multipart((client, b"", b"", self.END_SEQ, b""))
-            self.replays_served += 1
 
     def close(self) -> None:
         self._stop.set()
