@@ -88,6 +88,8 @@ class Flights:
         events have stored (``holds``): its prefill is over, though the heartbeat that says so may
         be a second away. Without this, a whole (unstreamed) request sent just before a chat's next
         turn weighed its full prompt on its replica until it ended, and the next turn could leave."""
+        if not self.prefilling:  # the usual case on the routing path: nothing to look up
+            return
         for ticket, last_block in list(self.prefilling.items()):
             if holds(last_block):
                 del self.prefilling[ticket]
