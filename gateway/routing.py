@@ -33,6 +33,7 @@ def candidate_for(
     cached_blocks: int,
     predicted_blocks: int,
     cache_comparable: bool,
+    returning: int = 0,
 ) -> Candidate:
     """The replica's load as of now, as far as this gateway's own traffic goes.
 
@@ -45,7 +46,7 @@ def candidate_for(
     """
     info, flights = replica.heartbeat, replica.flights
     if info is None:
-        return _own_load(replica, cached_blocks, predicted_blocks, cache_comparable)
+        return _own_load(replica, cached_blocks, predicted_blocks, cache_comparable, returning)
     after, after_tokens = flights.since_heartbeat(info.ts)
     before = before_tokens = 0  # sent before the heartbeat and still in flight
     if info.gateways is not None:  # None: a replica that names no shares
@@ -67,11 +68,16 @@ def candidate_for(
         cached_blocks=cached_blocks,
         predicted_blocks=predicted_blocks,
         cache_comparable=cache_comparable,
+        returning=returning,
     )
 
 
 def _own_load(
-    replica: Replica, cached_blocks: int = 0, predicted_blocks: int = 0, cache_comparable: bool = False
+    replica: Replica,
+    cached_blocks: int = 0,
+    predicted_blocks: int = 0,
+    cache_comparable: bool = False,
+    returning: int = 0,
 ) -> Candidate:
     """The replica as seen through this gateway's requests in flight there alone."""
     flights = replica.flights
@@ -85,6 +91,7 @@ def _own_load(
         inflight=flights.sequences,
         inflight_prefill_tokens=flights.tokens,
         cache_comparable=cache_comparable,
+        returning=returning,
     )
 
 
@@ -110,7 +117,9 @@ class Router:
     then. ``use_index=False``: no Redis, the fleet's replicas are static ones alone.
     ``gateway_id``: what this gateway sends replicas as ``x-kvroute-gateway``, and so how their
     heartbeats name its share. ``prediction_ttl_s``: how long a routed request's blocks count as
-    cached on its replica before the replica's events confirm them."""
+    cached on its replica before the replica's events confirm them. ``expect_return_s``: how long
+    a replica's answer counts as one sequence of load to other requests (its conversation's next
+    turn may be on its way; sent at once, it would find the place taken)."""
 
     def __init__(
         self,
@@ -122,6 +131,7 @@ class Router:
         use_index: bool = True,
         gateway_id: str = "",
         prediction_ttl_s: float = 2.0,
+        expect_return_s: float = 2.0,
     ) -> None:
         self.fleet = fleet
         self.mirror = mirror
@@ -130,6 +140,7 @@ class Router:
         self.use_index = use_index
         self.gateway_id = gateway_id
         self.prediction_ttl_s = prediction_ttl_s
+        self.expect_return_s = expect_return_s
         self._seeds: dict[tuple[str, str], int] = {}  # (model, fingerprint) -> block hash chain root
         self._overrides: dict[str, Policy] = {}  # built once each (round-robin keeps state)
 
@@ -155,6 +166,7 @@ class Router:
             use_index=settings.redis_url is not None,
             gateway_id=gateway_id,
             prediction_ttl_s=settings.prediction_ttl_s,
+            expect_return_s=settings.expect_return_s,
         )
 
     @property
@@ -196,8 +208,12 @@ class Router:
             seed = self._seeds[(model, fingerprint)] = model_seed(model, fingerprint)
         hashes = prompt.block_hashes(block_size, seed)
         request = RouteRequest(model, len(prompt), block_size, session_id)
+        awaited = any(replica.flights.answered for replica in replicas)
+        blocks = frozenset(hashes) if awaited else frozenset()
+        within = self.expect_return_s
         if self.degraded:  # no cache, no heartbeat load
-            return self._ordered(self.load_policy, request, [_own_load(r) for r in replicas], roster, hashes)
+            candidates = [_own_load(r, returning=r.flights.returning(blocks, within)) for r in replicas]
+            return self._ordered(self.load_policy, request, candidates, roster, hashes)
         matches = self.mirror.lookup_with_predictions(model, hashes)
         candidates = []
         for replica in replicas:
@@ -211,6 +227,7 @@ class Router:
                     cached_blocks=match.confirmed if match and comparable else 0,
                     predicted_blocks=match.with_predicted if match and comparable else 0,
                     cache_comparable=comparable,
+                    returning=replica.flights.returning(blocks, within),
                 )
             )
         return self._ordered(policy or self.policy, request, candidates, roster, hashes)
@@ -236,6 +253,11 @@ class Router:
         """Marks the prompt's blocks as predicted on ``replica`` and counts it in flight there;
         returns the fleet's ticket for it."""
         self.mirror.predict(replica.replica_id, plan.hashes, self.prediction_ttl_s)
+        awaited = [listed for listed in plan.roster.open if listed.flights.answered]
+        if awaited:  # wherever it goes, the conversation it continues is no longer awaited
+            blocks = frozenset(plan.hashes)
+            for listed in awaited:
+                listed.flights.returned(blocks)
         predicted = plan.predicted_tokens.get(replica.replica_id, 0)
         last_block = plan.hashes[-1] if plan.hashes else None
         return self.fleet.sent(replica, prompt_tokens - predicted, sequences, last_block)

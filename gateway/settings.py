@@ -56,6 +56,11 @@ class GatewaySettings:
     )
     # how long routed blocks count as held before the replica's events confirm them
     prediction_ttl_s: float = option(2.0, "--prediction-ttl", "seconds routed blocks count as cached")
+    # how long a replica's answer counts as load to other requests: its conversation's next turn
+    # may be on its way (gateway.fleet.replica.Flights.returning)
+    expect_return_s: float = option(
+        2.0, "--expect-return", "seconds an answered request counts as one sequence on its replica"
+    )
     # --max-body-bytes, --body-timeout, --max-prompt-chars (the replica's flags too)
     request_limits: RequestLimits = field(default_factory=RequestLimits)
     api_keys: tuple[str, ...] = option(  # see gateway.auth

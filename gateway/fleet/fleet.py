@@ -275,7 +275,7 @@ class Fleet:
         ``last_block``: its prompt's last full block hash, whose event ends its counted prefill."""
         self._next_ticket += 1
         ticket = self._next_ticket
-        replica.flights.add(ticket, InFlight(time.time(), uncached_tokens, sequences), last_block)
+        replica.flights.add(ticket, InFlight(time.time(), uncached_tokens, sequences, last_block))
         self._flying[ticket] = replica
         return ticket
 

@@ -7,7 +7,8 @@ gateway's side (its requests in flight here), and what the requests sent to it s
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Container
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,34 +55,49 @@ class InFlight:
     sent_at: float  # unix time, comparable with heartbeat ``ts``
     uncached_tokens: int  # prefill still to do, as far as this gateway knows (0 once it is seen done)
     sequences: int  # engine sequences it makes: prompts x n
+    last_block: int | None = None  # its prompt's last full block hash (None: shorter than a block)
 
 
 class Flights:
     """One replica's requests in flight from this gateway, with running totals (kept as requests
     come and go, so routing reads them in O(1)): all of them, and those sent after ``since``, the
-    time of the heartbeat last asked about."""
+    time of the heartbeat last asked about. Also the requests it answered lately (``answered``),
+    whose conversations' next turns may be on their way."""
 
-    __slots__ = ("flights", "pending", "pending_tokens", "prefilling", "sequences", "since", "tokens")
+    __slots__ = (
+        "answered",
+        "flights",
+        "pending",
+        "pending_tokens",
+        "prefilling",
+        "sequences",
+        "since",
+        "tokens",
+    )
 
     def __init__(self) -> None:
         self.flights: dict[int, InFlight] = {}  # by ticket
-        # ticket -> its prompt's last full block, for those whose prefill is not yet seen over
-        self.prefilling: dict[int, int] = {}
+        self.prefilling: set[int] = set()  # tickets whose prefill is not yet seen over
+        # the last full prompt block of each request answered lately -> when (monotonic)
+        self.answered: dict[int, float] = {}
         self.sequences = 0
         self.tokens = 0
         self.since = 0.0
         self.pending = 0
         self.pending_tokens = 0
 
-    def add(self, ticket: int, flight: InFlight, last_block: int | None = None) -> None:
+    def add(self, ticket: int, flight: InFlight) -> None:
         self.flights[ticket] = flight
-        if last_block is not None and flight.uncached_tokens:
-            self.prefilling[ticket] = last_block
+        if flight.last_block is not None and flight.uncached_tokens:
+            self.prefilling.add(ticket)
         self.count(flight, 1)
 
     def remove(self, ticket: int) -> None:
-        self.prefilling.pop(ticket, None)
-        self.count(self.flights.pop(ticket), -1)
+        self.prefilling.discard(ticket)
+        flight = self.flights.pop(ticket)
+        self.count(flight, -1)
+        if flight.last_block is not None:
+            self.answered[flight.last_block] = time.monotonic()
 
     def settle_prefills(self, holds: Callable[[int], bool]) -> None:
         """Stops counting the prefill of every request whose last full prompt block the replica's
@@ -90,13 +106,30 @@ class Flights:
         turn weighed its full prompt on its replica until it ended, and the next turn could leave."""
         if not self.prefilling:  # the usual case on the routing path: nothing to look up
             return
-        for ticket, last_block in list(self.prefilling.items()):
-            if holds(last_block):
-                del self.prefilling[ticket]
-                flight = self.flights[ticket]
+        for ticket in list(self.prefilling):
+            flight = self.flights[ticket]
+            if flight.last_block is not None and holds(flight.last_block):
+                self.prefilling.discard(ticket)
                 self.count(flight, -1)
                 flight.uncached_tokens = 0
                 self.count(flight, 1)
+
+    def returning(self, prompt_blocks: Container[int], within_s: float) -> int:
+        """Requests answered in the last ``within_s`` seconds whose conversations may send their
+        next turn here, not counting those ``prompt_blocks`` continues (a next turn's prompt holds
+        its previous prompt's blocks). Without them, a replica that has just answered a chat looks
+        idle, and another chat's first turn can take the place the next turn needs."""
+        if not self.answered:
+            return 0
+        horizon = time.monotonic() - within_s
+        for block in [block for block, at in self.answered.items() if at < horizon]:
+            del self.answered[block]
+        return sum(1 for block in self.answered if block not in prompt_blocks)
+
+    def returned(self, prompt_blocks: Container[int]) -> None:
+        """Forgets the answered requests ``prompt_blocks`` continues: their next turn has come."""
+        for block in [block for block in self.answered if block in prompt_blocks]:
+            del self.answered[block]
 
     def count(self, flight: InFlight, sign: int) -> None:
         """Adds (sign 1) or takes away (-1) one flight in the totals."""

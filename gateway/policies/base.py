@@ -9,8 +9,9 @@ explain it.
 Shared by every policy:
 
 * ``load(r) = waiting_prefill_tokens + inflight_prefill_tokens
-  + decode_weight · (running + waiting + inflight)``, in prefill-token units
-  (see :data:`DEFAULT_DECODE_WEIGHT`);
+  + decode_weight · (running + waiting + inflight + returning)``, in prefill-token units
+  (see :data:`DEFAULT_DECODE_WEIGHT`; ``returning``: conversations it answered moments ago, whose
+  next turns are likely on their way, other than the request's own);
 * a hard queue cap ``max_queue`` on ``waiting + inflight``: a candidate at or above it is never
   chosen (its score has ``capped=True`` and ``cost=inf``); when every candidate is capped the
   decision's ``replica_id`` is ``None`` and the gateway answers 429/503;
@@ -69,6 +70,7 @@ class Candidate:
     inflight: int  # requests this gateway sent it since that heartbeat and not finished
     inflight_prefill_tokens: int  # their uncached prompt tokens
     cache_comparable: bool = True  # False: its tokenizer fingerprint differs, cache counts mean nothing
+    returning: int = 0  # requests it answered moments ago, whose next turns may come (not this one's)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,8 +115,9 @@ def matched_tokens(request: RouteRequest, candidate: Candidate) -> int:
 
 
 def candidate_load(candidate: Candidate, decode_weight: float) -> float:
-    """Queued prefill tokens plus ``decode_weight`` per sequence, in prefill-token units."""
-    sequences = candidate.running + candidate.waiting + candidate.inflight
+    """Queued prefill tokens plus ``decode_weight`` per sequence (and per conversation whose next
+    turn is expected), in prefill-token units."""
+    sequences = candidate.running + candidate.waiting + candidate.inflight + candidate.returning
     return candidate.waiting_prefill_tokens + candidate.inflight_prefill_tokens + decode_weight * sequences
 
 

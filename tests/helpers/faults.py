@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import shutil
 import socket
@@ -288,7 +289,12 @@ class Load:
 
 class LatencyProbe:
     """GETs ``url`` every ``interval`` seconds in a thread of its own (one keep-alive connection),
-    recording when each call started, how long it took and its status (0: it failed)."""
+    recording when each call started, how long it took and its status (0: it failed). Entering
+    returns once the client is built and connected, so the first samples time the server, not the
+    probe's own set-up (building a client loads certificates and holds this process's GIL). While
+    it runs, this process's cyclic garbage collector is paused: a full collection over the test
+    process's heap (torch alone is ~400k objects) stalls every thread for 100-200 ms on these
+    hosts, which the probe would report as the server's latency."""
 
     def __init__(self, url: str, interval: float = 0.01, timeout: float = 5.0) -> None:
         self.url = url
@@ -296,18 +302,28 @@ class LatencyProbe:
         self.timeout = timeout
         self.samples: list[tuple[float, float, int]] = []
         self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._resume_gc = False
         self._thread = threading.Thread(target=self._run, name=f"probe {url}", daemon=True)
 
     def __enter__(self) -> Self:
+        self._resume_gc = gc.isenabled()
+        gc.disable()
         self._thread.start()
+        self._ready.wait(self.timeout)
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self._stop.set()
         self._thread.join(timeout=self.timeout + 5)
+        if self._resume_gc:
+            gc.enable()
 
     def _run(self) -> None:
         with httpx.Client(timeout=self.timeout) as client:
+            with contextlib.suppress(httpx.HTTPError):
+                client.get(self.url)  # connects, off the record
+            self._ready.set()
             while not self._stop.is_set():
                 started = time.monotonic()
                 try:

@@ -177,6 +177,44 @@ def test_a_request_whose_prompt_the_replica_has_stored_no_longer_counts_its_pref
     assert {s.replica_id: s.cost for s in plan_b.decision.scores} == {"holder": 208 - 176 + 64, "idle": 208}
 
 
+def test_a_chat_just_answered_keeps_its_place_for_its_next_turn() -> None:
+    """Chat B's first turn was just answered by "holder"; chat A's first turn, which shares only
+    the template's opening (three blocks) with it, arrives before B's next turn. Both replicas are
+    idle by their load, so the cached opening alone would send A to the holder, where B's next turn
+    would then find A's prefill queued (and could leave). B's awaited turn counts as one sequence
+    there for everyone but B: A goes to the idle replica, B's next turn to the holder. Once B's turn
+    came, or the wait is over, nothing is awaited."""
+    router = new_router(make_policy("kv"), gateway_id=GATEWAY)
+    mirror, fleet, seed = router.mirror, router.fleet, model_seed("m", "fp")
+    for replica_id in ("holder", "idle"):
+        mirror.index.add_replica(replica_id, "m")
+    taken_at = time.time() - 0.2
+    replicas = [replica("holder", taken_at), replica("idle", taken_at)]
+    opening = list(range(48))
+    chat_b = PromptIds.of([*opening, *range(500, 560)])  # 108 tokens, 6 full blocks
+    chat_a = PromptIds.of([*opening, *range(700, 760)])
+    chat_b_next = PromptIds.of([*chat_b.ids, *range(900, 960)])  # B's answer and next message
+    plan_b = route(router, replicas, chat_b)
+    holder = fleet.get("holder")
+    assert holder is not None
+    ticket = router.commit(plan_b, holder, len(chat_b), 1)
+    mirror.index.stored("holder", chat_b.block_hashes(16, seed))
+    fleet.done(ticket)
+
+    plan_a = route(router, replicas, chat_a)
+    assert {s.replica_id: s.cost for s in plan_a.decision.scores} == {"holder": 108 - 48 + 64, "idle": 108}
+    assert plan_a.winner == "idle"
+    plan_b = route(router, replicas, chat_b_next)
+    assert {s.replica_id: s.cost for s in plan_b.decision.scores} == {"holder": 168 - 96, "idle": 168}
+    fleet.done(router.commit(plan_b, holder, len(chat_b_next), 1))
+    assert list(holder.flights.answered) == [chat_b_next.block_hashes(16, seed)[-1]], "B's turn came"
+
+    router.expect_return_s = 0.05
+    assert route(router, replicas, chat_a).winner == "idle"  # B's next-but-one turn is awaited
+    time.sleep(0.06)  # no next turn came in time: the cached opening wins again
+    assert route(router, replicas, chat_a).winner == "holder"
+
+
 class Answer:
     """An answer under way, as the fleet watches it: streaming (bytes came lately) or not."""
 
