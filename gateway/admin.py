@@ -182,6 +182,7 @@ class AdminAPI:
         )
         plan, prompt = await self.pipeline.decide(request, body)
         by_id = {replica.replica_id: replica for replica in plan.roster.replicas}
+        blocks, within = frozenset(plan.hashes), self.router.expect_return_s
         candidates = []
         for score in plan.decision.scores:
             replica = by_id[score.replica_id]
@@ -198,6 +199,8 @@ class AdminAPI:
                     "waiting": 0 if beat is None else beat.waiting,
                     "waiting_prefill_tokens": 0 if beat is None else beat.waiting_prefill_tokens,
                     "gateway_inflight": replica.inflight,
+                    # answered lately: their next turns are awaited (this request continues none)
+                    "awaited_turns": replica.flights.returning(blocks, within),
                 }
             )
         return JSONResponse(
