@@ -5,8 +5,11 @@ part of a heartbeat interval, so the heartbeat the gateway holds when the next t
 still counts the request that just finished; the gateway must take it out itself (without that,
 a third to a half of these runs lost a turn). Likewise a whole request sent to that replica just
 before the next turn counts its prefill only until the replica's events store its prompt (with
-its whole prompt counted for up to a second, about one run in ten lost a turn). The same chat on
-the real default model, through ``kvroute up``: tests/stack/test_stack.py."""
+its whole prompt counted for up to a second, about one run in ten lost a turn). And a replica
+that has just answered a chat awaits its next turn (``--expect-return``): without that, another
+chat's first turn could take its place for a cached template opening while a replica idled, and
+the next turn then left (about one run in 27). The same chat on the real default model, through
+``kvroute up``: tests/stack/test_stack.py."""
 
 from __future__ import annotations
 
