@@ -253,11 +253,8 @@ class Router:
         """Marks the prompt's blocks as predicted on ``replica`` and counts it in flight there;
         returns the fleet's ticket for it."""
         self.mirror.predict(replica.replica_id, plan.hashes, self.prediction_ttl_s)
-        awaited = [listed for listed in plan.roster.open if listed.flights.answered]
-        if awaited:  # wherever it goes, the conversation it continues is no longer awaited
-            blocks = frozenset(plan.hashes)
-            for listed in awaited:
-                listed.flights.returned(blocks)
+        for listed in plan.roster.open:  # wherever it goes, what it continues is no longer awaited
+            listed.flights.returned(plan.hashes)
         predicted = plan.predicted_tokens.get(replica.replica_id, 0)
         last_block = plan.hashes[-1] if plan.hashes else None
         return self.fleet.sent(replica, prompt_tokens - predicted, sequences, last_block)

@@ -8,7 +8,7 @@ gateway's side (its requests in flight here), and what the requests sent to it s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -126,10 +126,11 @@ class Flights:
             del self.answered[block]
         return sum(1 for block in self.answered if block not in prompt_blocks)
 
-    def returned(self, prompt_blocks: Container[int]) -> None:
+    def returned(self, prompt_blocks: Iterable[int]) -> None:
         """Forgets the answered requests ``prompt_blocks`` continues: their next turn has come."""
-        for block in [block for block in self.answered if block in prompt_blocks]:
-            del self.answered[block]
+        if self.answered:
+            for block in prompt_blocks:
+                self.answered.pop(block, None)
 
     def count(self, flight: InFlight, sign: int) -> None:
         """Adds (sign 1) or takes away (-1) one flight in the totals."""
