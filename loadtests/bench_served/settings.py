@@ -60,4 +60,5 @@ class Settings:
     cold_len: int
     threads: int
     dtype: str  # both servers' and the in-process engine's
+    temperature: float  # every request's; 0: greedy
     out: str

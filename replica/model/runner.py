@@ -13,7 +13,7 @@ from replica.engine.outputs import TokenLogprob
 from replica.engine.scheduler import ScheduledBatch
 from replica.engine.sequence import Sequence
 from replica.kvcache.pool import KVPool, pool_pages
-from replica.model.attention import AttentionBatch, PrefillSpan, bottom_right_causal_mask, decode_bias
+from replica.model.attention import AttentionBatch, PrefillSpan, decode_bias
 from replica.model.config import ModelConfig
 from replica.model.decode_context import DecodeContext
 from replica.model.decoder import DecoderLM
@@ -141,11 +141,8 @@ class ModelRunner:
             context = start + length
             pages = seq.page_table[: -(-context // size)]
             slot_parts.append(self._slots(pages)[start:context])
-            if start == 0:
-                prefills.append(PrefillSpan(flat, length, None, None))
-            else:
-                mask = bottom_right_causal_mask(length, context, self.device)
-                prefills.append(PrefillSpan(flat, length, torch.tensor(pages, device=self.device), mask))
+            context_pages = None if start == 0 else torch.tensor(pages, device=self.device)
+            prefills.append(PrefillSpan(flat, length, context_pages, context))
             flat += length
         slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
         if decode is None:

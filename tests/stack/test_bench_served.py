@@ -14,12 +14,16 @@ from loadtests import bench_served
 CASES = {"decode_1", "decode_16", "prefix", "cold"}
 
 
-def test_quick_run_without_vllm(llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("temperature", "sampling"), [("0", "greedy"), ("1", "sampled at temperature 1")])
+def test_quick_run_without_vllm(
+    llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], temperature: str, sampling: str
+) -> None:
     out = tmp_path / "bench_served.json"
     argv = ["--quick", "--vllm", "none", "--model", str(llama_dir), "--out", str(out)]
-    assert bench_served.main(argv) == 0
+    assert bench_served.main([*argv, "--temperature", temperature]) == 0
 
     report = json.loads(out.read_text())
+    assert report["settings"]["temperature"] == float(temperature)
     results = report["results"]
     assert results.keys() == {"kvroute", "gateway"}, "vLLM was left out"
     for server in results.values():
@@ -35,3 +39,4 @@ def test_quick_run_without_vllm(llama_dir: Path, tmp_path: Path, capsys: pytest.
     assert by_name["decode_16.served_over_in_process"]["value"] > 0
     printed = capsys.readouterr().out
     assert "| output tok/s, concurrency 16 |" in printed and "served / in-process" in printed
+    assert f"threads, {sampling}:" in printed
