@@ -57,7 +57,7 @@ def _sample_row(row: torch.Tensor, params: SamplingParams, generator: torch.Gene
 
     Inverse-CDF sampling: one uniform number against the cumulative probabilities. Over SmolLM2's
     49,152-token vocabulary ``torch.multinomial`` drew one exponential per token, 1.1 ms a row
-    (17 ms of a batch-16 decode step); this takes 60 us. Top-k and top-p work on the few most
+    (17 ms of a batch-16 decode step); this takes 60-150 us. Top-k and top-p work on the few most
     likely tokens (``_nucleus``) instead of sorting the whole vocabulary (3.8 ms a row).
     """
     probs = (row / params.temperature).softmax(dim=-1)
