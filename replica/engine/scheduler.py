@@ -4,7 +4,9 @@ Each step: every running decode gets its one token first (so a long prompt never
 then waiting sequences whose whole uncached tail fits in the rest of the budget less one page
 (cache hits, short prompts: they would otherwise wait out every chunk of a long prefill; the page
 keeps prefills under way moving), then partially prefilled sequences get chunks, then other
-waiting sequences are admitted while there is budget, sequence slots and KV pages. When a decode
+waiting sequences are admitted while there is budget, sequence slots and KV pages. In a step
+where such short prefills finish, the chunks after them total no more than their tokens (or the
+page): the step, and so their time to first token, stays short. When a decode
 cannot get a page, the youngest running sequence is preempted: its pages are released (full pages
 stay in the prefix cache) and it is recomputed later, usually hitting that cache.
 """
@@ -109,8 +111,14 @@ class Scheduler:
             # One page of the step stays for prefills under way, so a stream of hits cannot
             # starve them: each advances at least a page per step.
             reserve = min(budget, self.kv.page_size) if self._prefill_under_way() else 0
-            budget = self._admit_waiting(batch, budget - reserve, fitting_only=True) + reserve
-            budget = self._schedule_prefill_chunks(batch, budget)
+            left = self._admit_waiting(batch, budget - reserve, fitting_only=True) + reserve
+            # A step that gives those their first token stays short: the other prefills get at
+            # most as many tokens as they take (or the page), so a hit that lands while a long
+            # prompt prefills waits out a short step, not a whole chunk of the long one.
+            finishing = budget - left
+            if finishing:
+                left = min(left, max(reserve, finishing))
+            budget = self._schedule_prefill_chunks(batch, left)
             self._admit_waiting(batch, budget)
             if batch or len(self.running) < 2:
                 return batch

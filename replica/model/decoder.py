@@ -100,10 +100,10 @@ class DecoderLM:
             rotate_(qkv[:, : heads + kv_heads], cos, sin)
             new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, cfg.head_dim)
             attn = paged_attention(qkv[:, :heads], new_kv, kv_cache[index], batch, index)
-            hidden = hidden + layer.o(attn.reshape(tokens, self.q_size))
+            hidden = hidden + layer.o(attn.view(tokens, self.q_size))
             h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
             gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate) * up)
+            hidden = hidden + layer.down(F.silu(gate, inplace=True) * up)
         return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

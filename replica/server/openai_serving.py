@@ -128,9 +128,7 @@ class OpenAIServing:
         self.prompts = PromptEncoder(cache_bytes=PROMPT_CACHE_BYTES)
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
-        refuse_surely_too_long(
-            request, self.engine.tokenizer, self.engine.max_model_len, self.max_prompt_chars
-        )
+        self._refuse_surely_too_long(request)
         messages, tools, template_kwargs = request.template_inputs()
         try:
             encoded = await self.prompts.encode_chat(self.engine.tokenizer, messages, tools, template_kwargs)
@@ -148,9 +146,7 @@ class OpenAIServing:
         return await self._serve(shape, request.stream, [spec], raw)
 
     async def completions(self, request: CompletionRequest, raw: Request) -> Response:
-        refuse_surely_too_long(
-            request, self.engine.tokenizer, self.engine.max_model_len, self.max_prompt_chars
-        )
+        self._refuse_surely_too_long(request)
         shape = CompletionShape(
             self.engine.tokenizer,
             request.model,

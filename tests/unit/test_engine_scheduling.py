@@ -116,6 +116,24 @@ def test_a_cache_hit_jumps_ahead_of_a_long_prefill(make_engine: EngineFactory) -
     engine.check_integrity()
 
 
+def test_the_step_that_finishes_a_hit_stays_short(make_engine: EngineFactory) -> None:
+    """A hit's first token does not wait for a whole chunk of the cold prompt beside it: that
+    step gives the cold prompt no more tokens than the hit takes, or one page."""
+    engine, prompt = cold_prefill_under_way(make_engine, seed=60, cold_tokens=600, max_num_seqs=8)
+    cold = next(seq for seq in engine.scheduler.running if seq.request_id == "cold")
+    page = engine.config.block_size
+    engine.add_request("hit", [*prompt[:96], *random_prompt(10, seed=61)], GREEDY)
+    before = cold.num_computed
+    first = {out.request_id for out in engine.step() for delta in out.deltas if delta.token_ids}
+    assert first == {"hit"}
+    assert cold.num_computed - before == page, "the hit's step carried a long chunk of the cold prompt"
+    before = cold.num_computed
+    engine.step()  # the hit decodes: the cold prompt has the rest of the budget again
+    assert cold.num_computed - before == 64 - 1
+    run_all(engine)
+    engine.check_integrity()
+
+
 def test_a_stream_of_cache_hits_cannot_starve_a_long_prefill(make_engine: EngineFactory) -> None:
     """Hits go first, but a prefill under way still advances at least a page every step."""
     engine, prompt = cold_prefill_under_way(make_engine, seed=50, cold_tokens=300, max_num_seqs=64)

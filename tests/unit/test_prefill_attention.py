@@ -78,3 +78,19 @@ def test_each_query_sees_only_keys_up_to_its_own_position() -> None:
     after = blocked_causal_attention(q, k, v)
     assert torch.equal(before[0], after[0])
     assert not torch.allclose(before[1], after[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_into_the_rows_it_is_given(dtype: torch.dtype) -> None:
+    """paged_attention hands each sequence its rows of one output tensor: the result lands there,
+    equal to a fresh one, and the rows around it keep what they held."""
+    generator = torch.Generator().manual_seed(11)
+    q = torch.randn(QUERY_BLOCK + 20, 6, 32, generator=generator).to(dtype)
+    k = torch.randn(2, 400, 32, generator=generator).to(dtype)
+    v = torch.randn(2, 400, 32, generator=generator).to(dtype)
+    step = torch.full((q.shape[0] + 7, 6, 32), 9.0, dtype=dtype)
+    rows = step[5 : 5 + q.shape[0]]
+    returned = prefill_attention(q, k, v, rows)
+    assert returned.data_ptr() == rows.data_ptr()
+    assert torch.equal(rows, prefill_attention(q, k, v))
+    assert (step[:5] == 9.0).all() and (step[5 + q.shape[0] :] == 9.0).all()
