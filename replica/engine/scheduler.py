@@ -5,8 +5,8 @@ then waiting sequences whose whole uncached tail fits in the rest of the budget 
 (cache hits, short prompts: they would otherwise wait out every chunk of a long prefill; the page
 keeps prefills under way moving), then partially prefilled sequences get chunks, then other
 waiting sequences are admitted while there is budget, sequence slots and KV pages. In a step
-where such short prefills finish, the chunks after them total no more than their tokens (or the
-page): the step, and so their time to first token, stays short. When a decode
+where such short prefills finish, the chunks after them total no more than their tokens or a
+quarter of the budget: the step, and so their time to first token, stays short. When a decode
 cannot get a page, the youngest running sequence is preempted: its pages are released (full pages
 stay in the prefix cache) and it is recomputed later, usually hitting that cache.
 """
@@ -113,11 +113,12 @@ class Scheduler:
             reserve = min(budget, self.kv.page_size) if self._prefill_under_way() else 0
             left = self._admit_waiting(batch, budget - reserve, fitting_only=True) + reserve
             # A step that gives those their first token stays short: the other prefills get at
-            # most as many tokens as they take (or the page), so a hit that lands while a long
-            # prompt prefills waits out a short step, not a whole chunk of the long one.
+            # most as many tokens as they take, or a quarter of the budget (so a stream of hits
+            # slows a long prompt by a bounded share), and a hit that lands while a long prompt
+            # prefills waits out a short step, not a whole chunk of the long one.
             finishing = budget - left
             if finishing:
-                left = min(left, max(reserve, finishing))
+                left = min(left, max(reserve, finishing, self.token_budget // 4))
             budget = self._schedule_prefill_chunks(batch, left)
             self._admit_waiting(batch, budget)
             if batch or len(self.running) < 2:

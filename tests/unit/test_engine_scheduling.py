@@ -91,11 +91,11 @@ def test_queued_load_counts_only_the_uncached_tail(engine: LLMEngine) -> None:
 
 
 def cold_prefill_under_way(
-    make_engine: EngineFactory, seed: int, cold_tokens: int, max_num_seqs: int
+    make_engine: EngineFactory, seed: int, cold_tokens: int, max_num_seqs: int, budget: int = 64
 ) -> tuple[LLMEngine, list[int]]:
-    """A 64-token-budget engine holding a cached 100-token prompt (returned) and running the first
-    chunk of a cold prompt, request "cold"."""
-    engine = make_engine(max_num_batched_tokens=64, max_num_seqs=max_num_seqs)
+    """A ``budget``-token-budget engine holding a cached 100-token prompt (returned) and running
+    the first chunk of a cold prompt, request "cold"."""
+    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
     prompt = random_prompt(100, seed=seed)
     engine.add_request("warm-up", prompt, ONE_TOKEN)
     run_all(engine)
@@ -118,7 +118,8 @@ def test_a_cache_hit_jumps_ahead_of_a_long_prefill(make_engine: EngineFactory) -
 
 def test_the_step_that_finishes_a_hit_stays_short(make_engine: EngineFactory) -> None:
     """A hit's first token does not wait for a whole chunk of the cold prompt beside it: that
-    step gives the cold prompt no more tokens than the hit takes, or one page."""
+    step gives the cold prompt no more tokens than the hit takes or a quarter of the budget
+    (here both under a page, and a prefill under way always gets its page)."""
     engine, prompt = cold_prefill_under_way(make_engine, seed=60, cold_tokens=600, max_num_seqs=8)
     cold = next(seq for seq in engine.scheduler.running if seq.request_id == "cold")
     page = engine.config.block_size
@@ -130,6 +131,22 @@ def test_the_step_that_finishes_a_hit_stays_short(make_engine: EngineFactory) ->
     before = cold.num_computed
     engine.step()  # the hit decodes: the cold prompt has the rest of the budget again
     assert cold.num_computed - before == 64 - 1
+    run_all(engine)
+    engine.check_integrity()
+
+
+def test_hits_take_at_most_three_quarters_of_a_long_prefills_steps(make_engine: EngineFactory) -> None:
+    """With a hit in every step, a long prompt still gets a quarter of each step's budget."""
+    budget = 256
+    engine, prompt = cold_prefill_under_way(
+        make_engine, seed=70, cold_tokens=900, max_num_seqs=64, budget=budget
+    )
+    cold = next(seq for seq in engine.scheduler.running if seq.request_id == "cold")
+    for i in range(4):
+        engine.add_request(f"hit-{i}", [*prompt[:96], *random_prompt(10, seed=71 + i)], ONE_TOKEN)
+        before = cold.num_computed
+        engine.step()
+        assert cold.num_computed - before == budget // 4
     run_all(engine)
     engine.check_integrity()
 
