@@ -18,13 +18,20 @@ from replica.model.decode_context import DecodeContext
 
 
 @dataclass
-class PrefillSpan:
-    """One sequence's chunk of ``length`` new tokens at flat offset ``start``."""
+class PrefillGroup:
+    """Prefill chunks of one shape: ``count`` sequences' ``length`` new tokens each, attending to
+    ``context`` keys. Run as one batch of matrix products: a wave of equal-length prompts costs
+    one set of attention calls a layer, not one per prompt."""
 
-    start: int
+    starts: list[int]  # each chunk's flat offset in the step
     length: int
-    context_pages: torch.Tensor | None  # pool pages of the whole context; None: no earlier context
-    context: int  # keys the chunk attends to: the earlier context and the chunk itself
+    context: int  # keys each chunk attends to: its earlier context and the chunk itself
+    rows: torch.Tensor | None  # the chunks' flat rows, in order; None for one chunk (a slice)
+    context_pages: torch.Tensor | None  # the chunks' context pages, one after the other; None: none earlier
+
+    @property
+    def count(self) -> int:
+        return len(self.starts)
 
 
 @dataclass
@@ -35,7 +42,7 @@ class AttentionBatch:
     num_decodes: int  # the first num_decodes tokens are single-token decodes
     decode_pages: torch.Tensor | None  # [decodes, pages of the longest context] (padded)
     decode_bias: torch.Tensor | None  # [kv_heads * decodes, group, keys]: see decode_bias()
-    prefills: list[PrefillSpan]
+    prefills: list[PrefillGroup]
     decode_context: DecodeContext | None = None  # the last step's gathered decode K/V
     decode_positions: torch.Tensor | None = None  # [decodes]: each new token's index in that context
 
@@ -85,34 +92,49 @@ def paged_attention(
         decodes = batch.num_decodes
         context = _decode_context(new_kv[:decodes], kv_cache, batch, layer)
         _decode_attention(q[:decodes], context, batch, out[:decodes])
-    for span in batch.prefills:
-        end = span.start + span.length
-        if span.context_pages is None:
-            context = new_kv[span.start : end].permute(1, 2, 0, 3)  # [2, kv_heads, length, dim]
-        else:
-            context = _gather_pages(kv_cache, span.context_pages)[:, :, : span.context]
-        prefill_attention(q[span.start : end], context[0], context[1], out[span.start : end])
+    for group in batch.prefills:
+        _prefill_group(q, new_kv, kv_cache, group, out)
     return out
+
+
+def _prefill_group(
+    q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor, group: PrefillGroup, out: torch.Tensor
+) -> None:
+    """One group's attention, written into its rows of ``out``. A lone chunk is sliced; several
+    are gathered into one batch and their rows scattered back."""
+    count, length = group.count, group.length
+    kv_heads, dim = kv_cache.shape[1], kv_cache.shape[-1]
+    if group.rows is None:
+        rows = slice(group.starts[0], group.starts[0] + length)
+        queries, new = q[rows], new_kv[rows]
+    else:
+        queries, new = q.index_select(0, group.rows), new_kv.index_select(0, group.rows)
+    if group.context_pages is None:
+        context = new.view(count, length, 2, kv_heads, dim).permute(2, 0, 3, 1, 4)
+    else:
+        gathered = _gather_pages(kv_cache, group.context_pages)
+        context = gathered.view(2, kv_heads, count, -1, dim)[:, :, :, : group.context].transpose(1, 2)
+    queries = queries.view(count, length, *q.shape[1:])
+    if group.rows is None:
+        prefill_attention(queries, context[0], context[1], out[rows].view(queries.shape))
+    else:
+        result = prefill_attention(queries, context[0], context[1])
+        out.index_copy_(0, group.rows, result.view(count * length, *q.shape[1:]))
 
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Causal attention of a chunk's queries q [length, heads, dim], the tail of the context
-    k, v [kv_heads, keys, dim]; returns [length, heads, dim], written into ``out`` when given.
-    SDPA on CUDA and in fp32 (where the blocked form measured no faster on CPU)."""
+    """Causal attention of chunks' queries q [count, length, heads, dim], the tails of their
+    contexts k, v [count, kv_heads, keys, dim]; returns [count, length, heads, dim], written into
+    ``out`` when given. SDPA on CUDA and in fp32 (where the blocked form measured no faster on CPU)."""
     if q.device.type == "cpu" and q.dtype != torch.float32:
         return blocked_causal_attention(q, k, v, out)
-    length, keys = q.shape[0], k.shape[1]
+    length, keys = q.shape[1], k.shape[2]
     mask = None if length == keys else bottom_right_causal_mask(length, keys, q.device)
     result = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.unsqueeze(0),
-        v.unsqueeze(0),
-        attn_mask=mask,
-        is_causal=mask is None,
-        enable_gqa=True,
-    )[0].transpose(0, 1)
+        q.transpose(1, 2), k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True
+    ).transpose(1, 2)
     return result if out is None else out.copy_(result)
 
 
@@ -124,33 +146,36 @@ def blocked_causal_attention(
 ) -> torch.Tensor:
     """The CPU path in bf16/fp16: per block of ``QUERY_BLOCK`` query rows, two batched matmuls and a softmax
     over only the keys the block can see, as transformers' eager attention computes it (scores
-    in the model's dtype, softmax accumulated in fp32).
+    in the model's dtype, softmax accumulated in fp32). Shapes as :func:`prefill_attention`.
 
     SDPA's CPU flash kernel made whole bf16 prefills 16-27 % slower on a 2-core AVX512-BF16
     host (SmolLM2-135M, 512-token chunks: a cold 1,024-token prompt 1.18 s against 0.96 s, 1,568
     tokens 2.16 s against 1.70 s, 32 tokens after a 1,536-token cached prefix 73 against 63 ms).
     The query heads sharing a KV head are stacked as that head's query rows, so a block is one
-    matmul per KV head; only the block's last ``rows`` keys need the triangle. Blocks of 64 and
-    256 rows were slower than 128. The scale goes on the queries as they are stacked (the copy
-    is needed anyway), not on the many more scores: with a power-of-two scale (head_dim 64, 256)
-    the bits are the same.
+    matmul per KV head and chunk; only the block's last ``rows`` keys need the triangle. Blocks
+    of 64 and 256 rows were slower than 128. The scale goes on the queries as they are stacked
+    (the copy is needed anyway), not on the many more scores: with a power-of-two scale (head_dim
+    64, 256) the bits are the same. A chunk's bits do not depend on how many share its batch.
     """
-    length, heads, dim = q.shape
-    kv_heads, keys, _ = k.shape
+    count, length, heads, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    batch = count * kv_heads
     earlier = keys - length
     out = torch.empty_like(q, memory_format=torch.contiguous_format) if out is None else out
     for first in range(0, length, QUERY_BLOCK):
         rows = min(QUERY_BLOCK, length - first)
         visible = earlier + first + rows
-        query = q.new_empty(kv_heads, group, rows, dim)
-        block = q[first : first + rows].view(rows, kv_heads, group, dim).permute(1, 2, 0, 3)
+        query = q.new_empty(count, kv_heads, group, rows, dim)
+        block = q[:, first : first + rows].view(count, rows, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
         torch.mul(block, dim**-0.5, out=query)
-        scores = torch.bmm(query.view(kv_heads, group * rows, dim), k[:, :visible].transpose(1, 2))
+        seen = k[:, :, :visible].reshape(batch, visible, dim)
+        scores = torch.bmm(query.view(batch, group * rows, dim), seen.transpose(1, 2))
         scores[:, :, visible - rows :].add_(_causal_bias(rows, group, q.dtype, q.device))
         weights = torch.softmax(scores, dim=-1)  # accumulates in fp32: same bits as eager's cast
-        result = torch.bmm(weights, v[:, :visible]).view(kv_heads, group, rows, dim)
-        out[first : first + rows].view(rows, kv_heads, group, dim).copy_(result.permute(2, 0, 1, 3))
+        result = torch.bmm(weights, v[:, :, :visible].reshape(batch, visible, dim))
+        written = out[:, first : first + rows].view(count, rows, kv_heads, group, dim)
+        written.copy_(result.view(count, kv_heads, group, rows, dim).permute(0, 3, 1, 2, 4))
     return out
 
 

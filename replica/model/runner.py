@@ -13,7 +13,7 @@ from replica.engine.outputs import TokenLogprob
 from replica.engine.scheduler import ScheduledBatch
 from replica.engine.sequence import Sequence
 from replica.kvcache.pool import KVPool, pool_pages
-from replica.model.attention import AttentionBatch, PrefillSpan, decode_bias
+from replica.model.attention import AttentionBatch, PrefillGroup, decode_bias
 from replica.model.config import ModelConfig
 from replica.model.decode_context import DecodeContext
 from replica.model.decoder import DecoderLM
@@ -135,15 +135,15 @@ class ModelRunner:
             self._decode_context.clear()
         else:
             slot_parts.append(decode.new_slots)
-        prefills: list[PrefillSpan] = []
+        shapes: dict[tuple[int, int], list[tuple[int, list[int]]]] = {}  # (length, context): chunks
         flat = len(batch.decodes)
         for seq, start, length in spans[len(batch.decodes) :]:
             context = start + length
             pages = seq.page_table[: -(-context // size)]
             slot_parts.append(self._slots(pages)[start:context])
-            context_pages = None if start == 0 else torch.tensor(pages, device=self.device)
-            prefills.append(PrefillSpan(flat, length, context_pages, context))
+            shapes.setdefault((length, context), []).append((flat, pages))
             flat += length
+        prefills = [self._prefill_group(*shape, chunks) for shape, chunks in shapes.items()]
         slot_mapping = torch.cat(slot_parts) if len(slot_parts) > 1 else slot_parts[0]
         if decode is None:
             return AttentionBatch(slot_mapping, 0, None, None, prefills)
@@ -156,6 +156,18 @@ class ModelRunner:
             self._decode_context,
             decode.positions,
         )
+
+    def _prefill_group(self, length: int, context: int, chunks: list[tuple[int, list[int]]]) -> PrefillGroup:
+        """Chunks of one shape, as (flat offset, context pages) each, and their index tensors; the
+        pages only where the chunks have earlier context to read back from the pool."""
+        starts = [start for start, _ in chunks]
+        rows = None
+        if len(chunks) > 1:
+            rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).flatten().to(self.device)
+        pages = None
+        if context > length:
+            pages = torch.tensor([page for _, table in chunks for page in table], device=self.device)
+        return PrefillGroup(starts, length, context, rows, pages)
 
     def _decode_batch(self, decodes: list[Sequence]) -> _DecodeBatch:
         """The decodes' page tables (padded to the longest), mask, slots and context positions;

@@ -1,6 +1,7 @@
 """The engine's logits against transformers' eager fp32 forward, to 1e-4 relative error.
 
-Covers a plain prefill, the same prompt prefilled in uneven chunks, 20 decode steps (batched
+Covers a plain prefill, the same prompt prefilled in uneven chunks, several prompts prefilled
+in the same steps (chunks of one shape run as one attention group), 20 decode steps (batched
 with other sequences of different lengths, so padding masks are exercised), and a prompt whose
 prefix comes from the radix cache. Both the tiny Llama (tied embeddings, plain rope) and the
 tiny Qwen3 (q/k norms, untied head) are checked; further architectures in test_model_loading.
@@ -86,6 +87,30 @@ def test_chunked_prefill(model_dir: Path, make_engine: EngineFactory) -> None:
     seq = start(engine, prompt)
     for end in (37, 48, 101, 150):  # chunk edges inside and on page boundaries
         assert_close(run_chunk(engine, seq, end), expected[end - 1])
+    engine.check_integrity()
+
+
+def test_prompts_prefilled_together(model_dir: Path, make_engine: EngineFactory) -> None:
+    """Four prompts in the same two steps, three of one length: the first chunks (no earlier
+    context) and the second ones (after those, read back from the pool) are grouped by shape."""
+    prompts = [random_prompt(length, seed=10 + i) for i, length in enumerate((70, 70, 45, 70))]
+    engine = make_engine(model_dir)
+    seqs = [start(engine, p) for p in prompts]
+    for seq in seqs:
+        seq.token_ids = seq.token_ids[:37]
+        assert engine.kv.reserve(seq, 37)
+    engine.runner.run(ScheduledBatch(prefills=[(seq, 37) for seq in seqs]))
+    for seq, prompt in zip(seqs, prompts, strict=True):
+        engine.kv.commit(seq)
+        seq.token_ids = list(prompt)
+        assert engine.kv.reserve(seq, len(prompt))
+    rests = [(seq, len(seq.token_ids) - 37) for seq in seqs]
+    samplers, logits = engine.runner.run(ScheduledBatch(prefills=rests))
+    assert samplers == seqs
+    for row, prompt in enumerate(prompts):
+        assert_close(logits[row], reference_logits(model_dir, prompt)[-1])
+    for seq in seqs:
+        engine.kv.commit(seq)
     engine.check_integrity()
 
 
