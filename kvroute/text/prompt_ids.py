@@ -207,7 +207,7 @@ class PromptEncoder:
         key = self._input_key(tokenizer, b"p", text)
         if (prompt := self._cached(key)) is not None:
             return prompt
-        prompt = PromptIds(array("I", await self._off_loop_if_long(len(text), tokenizer.encode, text)))
+        prompt = PromptIds(await self._off_loop_if_long(len(text), _encode, tokenizer, text))
         self._cache.add(prompt, key, ())
         return prompt
 
@@ -223,17 +223,17 @@ class PromptEncoder:
             offset = candidates[position][0]
             tail = [(start - offset, token_id) for start, token_id in candidates[position:]]
             ids, indices = await self._off_loop_if_long(
-                len(text) - offset, tokenizer.encode_with_boundaries, text[offset:], tail
+                len(text) - offset, _encode_with_boundaries, tokenizer, text[offset:], tail
             )
             if indices[0] == 0:  # cut at the same token again, as it must be
                 self.prefix_hits += 1
-                prompt = PromptIds(base.ids[:shared] + array("I", ids), (base, shared))
+                prompt = PromptIds(base.ids[:shared] + ids, (base, shared))
                 self._cache.add(prompt, whole_key, earlier + _cut(keys[position:], indices, shared))
                 return prompt
         ids, indices = await self._off_loop_if_long(
-            len(text), tokenizer.encode_with_boundaries, text, candidates
+            len(text), _encode_with_boundaries, tokenizer, text, candidates
         )
-        prompt = PromptIds(array("I", ids))
+        prompt = PromptIds(ids)
         self._cache.add(prompt, whole_key, _cut(keys, indices, 0))
         return prompt
 
@@ -292,6 +292,20 @@ class PromptEncoder:
         if chars > self._thread_threshold:
             return await asyncio.to_thread(function, *args)
         return function(*args)
+
+
+def _encode(tokenizer: TextTokenizer, text: str) -> array[int]:
+    """``text``'s ids as the array a prompt keeps: made, and the list freed, where the encoding ran
+    (off the event loop for a long text)."""
+    return array("I", tokenizer.encode(text))
+
+
+def _encode_with_boundaries(
+    tokenizer: TextTokenizer, text: str, candidates: Sequence[tuple[int, int]]
+) -> tuple[array[int], list[int]]:
+    """:meth:`TextTokenizer.encode_with_boundaries`, its ids as an array (as :func:`_encode`)."""
+    ids, indices = tokenizer.encode_with_boundaries(text, candidates)
+    return array("I", ids), indices
 
 
 def _cut(keys: Sequence[int], indices: Sequence[int], shift: int) -> list[tuple[int, int]]:

@@ -27,7 +27,7 @@ from tokenizers import AddedToken, Tokenizer
 from gateway.tokenizer_registry import TokenizerMismatch, TokenizerRegistry, TokenizerUnavailable
 from kvroute.openai_api.schema import ChatCompletionRequest, parse_request
 from kvroute.protocol import block_hashes
-from kvroute.text.tokenizer import TextTokenizer
+from kvroute.text.tokenizer import PIECEWISE_TEXT_CHARS, TextTokenizer
 from launcher.local_redis import free_port
 from tests.helpers.processes import ReplicaProcess
 
@@ -465,6 +465,38 @@ async def test_a_longer_token_at_a_cached_boundary_is_not_taken_for_it(
     assert registry.prefix_hits == 1
     # not reused up to the assistant turn's start (another token there now), but to the one before
     assert encoded[-1].startswith("<|im_end|>\n<|im_start|>assistant\nNo.")
+
+
+@pytest.mark.parametrize("question", ["Yes or no?", "Yes or no? " * 6000], ids=["offsets", "piecewise"])
+def test_boundaries_are_where_the_tokenizer_cut(qwen3_dir: Path, question: str) -> None:
+    """With a plain tokenizer every candidate's index points at its token. An added token that
+    swallows one (it ends with ``<|im_end|>`` and strips on its left, so it is no candidate itself)
+    takes that candidate out: read from the offsets, only that one; found piece by piece (a long
+    text), the pieces no longer join up to the whole text's ids, and none of them. The ids are a
+    full encoding's either way."""
+    base = TextTokenizer.from_dir(qwen3_dir)
+    template = (TEMPLATES / "smollm2.jinja").read_text(encoding="utf-8")
+    chat = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "No."},
+        {"role": "user", "content": "Sure?"},
+    ]
+    raw = Tokenizer.from_str(base.tokenizer_json)
+    raw.add_special_tokens([AddedToken("No.<|im_end|>", special=True, normalized=False, lstrip=True)])
+    swallowing = TextTokenizer.from_files(raw.to_str(), template, base.tokenizer_config)
+    plain = TextTokenizer.from_files(base.tokenizer_json, template, base.tokenizer_config)
+    piecewise = len(question) > 100
+    for tokenizer, reported in ((plain, 9), (swallowing, 0 if piecewise else 8)):
+        text = tokenizer.render_chat(chat, None, add_generation_prompt=True)
+        assert (len(text) >= PIECEWISE_TEXT_CHARS) == piecewise
+        candidates = tokenizer.boundaries(text)
+        ids, indices = tokenizer.encode_with_boundaries(text, candidates)
+        assert ids == Tokenizer.from_str(tokenizer.tokenizer_json).encode(text, add_special_tokens=False).ids
+        assert len(candidates) == len(indices) == 9
+        found = [
+            (index, token_id) for index, (_, token_id) in zip(indices, candidates, strict=True) if index >= 0
+        ]
+        assert len(found) == reported and all(ids[index] == token_id for index, token_id in found)
 
 
 async def test_the_cache_holds_one_copy_per_conversation_within_its_bound(qwen3_dir: Path) -> None:
