@@ -24,7 +24,7 @@ from tokenizers.decoders import DecodeStream
 from kvroute.text.chat_template import ChatTemplate, openai_to_template_messages
 
 LONG_TEXT_CHARS = 8192
-"""From this length on a text is encoded with the GIL released (``TextTokenizer._encoding``)."""
+"""From this length on a text is encoded with the GIL released (``TextTokenizer.encode``, ``_encoding``)."""
 PIECEWISE_TEXT_CHARS = 65536
 """From this length on (~16k tokens, whose offsets take ~1 ms to free) boundaries are found piece by
 piece (``TextTokenizer._encode_piecewise``)."""
@@ -268,9 +268,13 @@ class TextTokenizer:
         return digest.hexdigest()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of ``text``, as HF's ``tokenizer.encode``: through ``encode_batch_fast``, which
-        lets go of the GIL while it works and tracks no offsets (half the time for a long text, and
-        none of the 10-13 ms that freeing 300k tokens' offsets holds the GIL for)."""
+        """Token ids of ``text``, as HF's ``tokenizer.encode``. A long text goes through
+        ``encode_batch_fast``, which lets go of the GIL while it works and tracks no offsets (up to
+        half the time, and none of the 10-13 ms that freeing 300k tokens' offsets holds the GIL
+        for); a short one through ``encode``, which wakes no worker threads to compete with the
+        engine's."""
+        if len(text) < LONG_TEXT_CHARS:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def _encoding(self, text: str, add_special_tokens: bool) -> Encoding:
