@@ -16,7 +16,6 @@ from replica.model.attention import (
     AttentionBatch,
     PrefillGroup,
     blocked_causal_attention,
-    bottom_right_causal_mask,
     paged_attention,
     prefill_attention,
 )
@@ -24,7 +23,8 @@ from replica.model.attention import (
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain SDPA in fp64 with the bottom-right causal mask written out; shapes as prefill_attention."""
-    mask = bottom_right_causal_mask(q.shape[1], k.shape[2], "cpu")
+    queries, keys = q.shape[1], k.shape[2]
+    mask = torch.arange(keys).unsqueeze(0) <= torch.arange(queries).unsqueeze(1) + keys - queries
     out = F.scaled_dot_product_attention(
         q.double().transpose(1, 2), k.double(), v.double(), attn_mask=mask, enable_gqa=True
     )
