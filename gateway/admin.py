@@ -8,7 +8,8 @@
   tokens against predicted and real cached tokens; the same totals per model.
 * ``POST /admin/route``: a chat or completions body (the JSON of ``/v1/...``) in, the routing
   decision out, nothing sent: per replica matched tokens, load and cost (``null`` with
-  ``"capped": true`` for a replica over the queue cap), the winner, the policy, prompt tokens.
+  ``"capped": true`` for a replica over the queue cap), the turns it awaits and whether this
+  request continues one it answered (which wins a tie), the winner, the policy, prompt tokens.
   Honours ``x-kvroute-policy`` like the request path does for admins.
 * ``POST /admin/replicas/{id}/drain`` takes a replica out of rotation (new requests only; what it
   is serving finishes); ``DELETE`` on the same path puts it back. Drains go through Redis, so
@@ -182,7 +183,7 @@ class AdminAPI:
         )
         plan, prompt = await self.pipeline.decide(request, body)
         by_id = {replica.replica_id: replica for replica in plan.roster.replicas}
-        blocks, within = frozenset(plan.hashes), self.router.expect_return_s
+        within = self.router.expect_return_s
         candidates = []
         for score in plan.decision.scores:
             replica = by_id[score.replica_id]
@@ -200,7 +201,8 @@ class AdminAPI:
                     "waiting_prefill_tokens": 0 if beat is None else beat.waiting_prefill_tokens,
                     "gateway_inflight": replica.inflight,
                     # answered lately: their next turns are awaited (this request continues none)
-                    "awaited_turns": replica.flights.returning(blocks, within),
+                    "awaited_turns": replica.flights.awaited(prompt, within)[0],
+                    "continues": score.continues,
                 }
             )
         return JSONResponse(

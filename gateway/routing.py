@@ -34,6 +34,7 @@ def candidate_for(
     predicted_blocks: int,
     cache_comparable: bool,
     returning: int = 0,
+    continues: bool = False,
 ) -> Candidate:
     """The replica's load as of now, as far as this gateway's own traffic goes.
 
@@ -46,7 +47,7 @@ def candidate_for(
     """
     info, flights = replica.heartbeat, replica.flights
     if info is None:
-        return _own_load(replica, cached_blocks, predicted_blocks, cache_comparable, returning)
+        return _own_load(replica, returning, continues, cached_blocks, predicted_blocks, cache_comparable)
     after, after_tokens = flights.since_heartbeat(info.ts)
     before = before_tokens = 0  # sent before the heartbeat and still in flight
     if info.gateways is not None:  # None: a replica that names no shares
@@ -69,15 +70,17 @@ def candidate_for(
         predicted_blocks=predicted_blocks,
         cache_comparable=cache_comparable,
         returning=returning,
+        continues=continues,
     )
 
 
 def _own_load(
     replica: Replica,
+    returning: int = 0,
+    continues: bool = False,
     cached_blocks: int = 0,
     predicted_blocks: int = 0,
     cache_comparable: bool = False,
-    returning: int = 0,
 ) -> Candidate:
     """The replica as seen through this gateway's requests in flight there alone."""
     flights = replica.flights
@@ -92,6 +95,7 @@ def _own_load(
         inflight_prefill_tokens=flights.tokens,
         cache_comparable=cache_comparable,
         returning=returning,
+        continues=continues,
     )
 
 
@@ -101,6 +105,7 @@ class RoutePlan:
 
     decision: Decision
     ordered: list[Replica]  # the winner first, then fallbacks by cost (none over the queue cap)
+    prompt: PromptIds
     hashes: list[int]
     predicted_tokens: dict[str, int]  # per replica id
     roster: Roster  # what it was planned over (the policy scored its open replicas)
@@ -208,18 +213,17 @@ class Router:
             seed = self._seeds[(model, fingerprint)] = model_seed(model, fingerprint)
         hashes = prompt.block_hashes(block_size, seed)
         request = RouteRequest(model, len(prompt), block_size, session_id)
-        awaited = any(replica.flights.answered for replica in replicas)
-        blocks = frozenset(hashes) if awaited else frozenset()
         within = self.expect_return_s
         if self.degraded:  # no cache, no heartbeat load
-            candidates = [_own_load(r, returning=r.flights.returning(blocks, within)) for r in replicas]
-            return self._ordered(self.load_policy, request, candidates, roster, hashes)
+            candidates = [_own_load(r, *r.flights.awaited(prompt, within)) for r in replicas]
+            return self._ordered(self.load_policy, request, candidates, roster, prompt, hashes)
         matches = self.mirror.lookup_with_predictions(model, hashes)
         candidates = []
         for replica in replicas:
             replica.flights.settle_prefills(partial(self.mirror.holds, replica.replica_id))
             match = matches.get(replica.replica_id)
             comparable = replica.fingerprint == fingerprint and replica.block_size == block_size
+            returning, continues = replica.flights.awaited(prompt, within)
             candidates.append(
                 candidate_for(
                     replica,
@@ -227,10 +231,11 @@ class Router:
                     cached_blocks=match.confirmed if match and comparable else 0,
                     predicted_blocks=match.with_predicted if match and comparable else 0,
                     cache_comparable=comparable,
-                    returning=replica.flights.returning(blocks, within),
+                    returning=returning,
+                    continues=continues,
                 )
             )
-        return self._ordered(policy or self.policy, request, candidates, roster, hashes)
+        return self._ordered(policy or self.policy, request, candidates, roster, prompt, hashes)
 
     @staticmethod
     def _ordered(
@@ -238,6 +243,7 @@ class Router:
         request: RouteRequest,
         candidates: list[Candidate],
         roster: Roster,
+        prompt: PromptIds,
         hashes: list[int],
     ) -> RoutePlan:
         decision = policy.choose(request, candidates)
@@ -247,14 +253,16 @@ class Router:
         if decision.replica_id is not None:
             order.insert(0, decision.replica_id)
         predicted = {s.replica_id: s.matched_tokens for s in decision.scores}
-        return RoutePlan(decision, [by_id[rid] for rid in order], hashes, predicted, roster)
+        return RoutePlan(decision, [by_id[rid] for rid in order], prompt, hashes, predicted, roster)
 
     def commit(self, plan: RoutePlan, replica: Replica, prompt_tokens: int, sequences: int) -> int:
         """Marks the prompt's blocks as predicted on ``replica`` and counts it in flight there;
         returns the fleet's ticket for it."""
         self.mirror.predict(replica.replica_id, plan.hashes, self.prediction_ttl_s)
+        prompt = plan.prompt
         for listed in plan.roster.open:  # wherever it goes, what it continues is no longer awaited
-            listed.flights.returned(plan.hashes)
+            listed.flights.returned(prompt)
         predicted = plan.predicted_tokens.get(replica.replica_id, 0)
         last_block = plan.hashes[-1] if plan.hashes else None
-        return self.fleet.sent(replica, prompt_tokens - predicted, sequences, last_block)
+        prompt_key = (len(prompt), prompt.digest(len(prompt)))
+        return self.fleet.sent(replica, prompt_tokens - predicted, sequences, last_block, prompt_key)

@@ -57,7 +57,7 @@ class GatewaySettings:
     # how long routed blocks count as held before the replica's events confirm them
     prediction_ttl_s: float = option(2.0, "--prediction-ttl", "seconds routed blocks count as cached")
     # how long a replica's answer counts as load to other requests: its conversation's next turn
-    # may be on its way (gateway.fleet.replica.Flights.returning)
+    # may be on its way (gateway.fleet.replica.Flights.awaited)
     expect_return_s: float = option(
         2.0, "--expect-return", "seconds an answered request counts as one sequence on its replica"
     )

@@ -269,13 +269,20 @@ class Fleet:
             answer.abandon(why)
 
     def sent(
-        self, replica: Replica, uncached_tokens: int, sequences: int = 1, last_block: int | None = None
+        self,
+        replica: Replica,
+        uncached_tokens: int,
+        sequences: int = 1,
+        last_block: int | None = None,
+        prompt_key: tuple[int, int] | None = None,
     ) -> int:
         """Records a request in flight to ``replica``; returns the ticket to pass to ``done``.
-        ``last_block``: its prompt's last full block hash, whose event ends its counted prefill."""
+        ``last_block``: its prompt's last full block hash, whose event ends its counted prefill;
+        ``prompt_key``: its prompt's length and digest, which its conversation's next turn starts with."""
         self._next_ticket += 1
         ticket = self._next_ticket
-        replica.flights.add(ticket, InFlight(time.time(), uncached_tokens, sequences, last_block))
+        flight = InFlight(time.time(), uncached_tokens, sequences, last_block, prompt_key)
+        replica.flights.add(ticket, flight)
         self._flying[ticket] = replica
         return ticket
 

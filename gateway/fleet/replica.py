@@ -8,11 +8,12 @@ gateway's side (its requests in flight here), and what the requests sent to it s
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from gateway.index.snapshots import ReplicaHeartbeat
+from kvroute.text.prompt_ids import PromptIds
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +57,7 @@ class InFlight:
     uncached_tokens: int  # prefill still to do, as far as this gateway knows (0 once it is seen done)
     sequences: int  # engine sequences it makes: prompts x n
     last_block: int | None = None  # its prompt's last full block hash (None: shorter than a block)
+    prompt_key: tuple[int, int] | None = None  # its prompt's length and digest (PromptIds.digest)
 
 
 class Flights:
@@ -78,8 +80,8 @@ class Flights:
     def __init__(self) -> None:
         self.flights: dict[int, InFlight] = {}  # by ticket
         self.prefilling: set[int] = set()  # tickets whose prefill is not yet seen over
-        # the last full prompt block of each request answered lately -> when (monotonic)
-        self.answered: dict[int, float] = {}
+        # the prompt (length, digest) of each request answered lately -> when (monotonic)
+        self.answered: dict[tuple[int, int], float] = {}
         self.sequences = 0
         self.tokens = 0
         self.since = 0.0
@@ -96,8 +98,8 @@ class Flights:
         self.prefilling.discard(ticket)
         flight = self.flights.pop(ticket)
         self.count(flight, -1)
-        if flight.last_block is not None:
-            self.answered[flight.last_block] = time.monotonic()
+        if flight.prompt_key is not None:
+            self.answered[flight.prompt_key] = time.monotonic()
 
     def settle_prefills(self, holds: Callable[[int], bool]) -> None:
         """Stops counting the prefill of every request whose last full prompt block the replica's
@@ -114,23 +116,26 @@ class Flights:
                 flight.uncached_tokens = 0
                 self.count(flight, 1)
 
-    def returning(self, prompt_blocks: Container[int], within_s: float) -> int:
-        """Requests answered in the last ``within_s`` seconds whose conversations may send their
-        next turn here, not counting those ``prompt_blocks`` continues (a next turn's prompt holds
-        its previous prompt's blocks). Without them, a replica that has just answered a chat looks
-        idle, and another chat's first turn can take the place the next turn needs."""
+    def awaited(self, prompt: PromptIds, within_s: float) -> tuple[int, bool]:
+        """Requests answered here in the last ``within_s`` seconds whose conversations may send
+        their next turn here, other than those ``prompt`` continues (it starts with their whole
+        prompt); and whether it continues one. Without the first, a replica that has just answered
+        a chat looks idle, and another chat's first turn can take the place the next turn needs;
+        the second breaks a tie for the next turn when the replica's events of the answer have not
+        reached this gateway yet (a short first turn then matches no more here than its template
+        opening does elsewhere)."""
         if not self.answered:
-            return 0
+            return 0, False
         horizon = time.monotonic() - within_s
-        for block in [block for block, at in self.answered.items() if at < horizon]:
-            del self.answered[block]
-        return sum(1 for block in self.answered if block not in prompt_blocks)
+        for key in [key for key, at in self.answered.items() if at < horizon]:
+            del self.answered[key]
+        continued = sum(1 for key in self.answered if _continues(prompt, key))
+        return len(self.answered) - continued, continued > 0
 
-    def returned(self, prompt_blocks: Iterable[int]) -> None:
-        """Forgets the answered requests ``prompt_blocks`` continues: their next turn has come."""
-        if self.answered:
-            for block in prompt_blocks:
-                self.answered.pop(block, None)
+    def returned(self, prompt: PromptIds) -> None:
+        """Forgets the answered requests ``prompt`` continues: their next turn has come."""
+        for key in [key for key in self.answered if _continues(prompt, key)]:
+            del self.answered[key]
 
     def count(self, flight: InFlight, sign: int) -> None:
         """Adds (sign 1) or takes away (-1) one flight in the totals."""
@@ -216,3 +221,9 @@ class Replica:
         if found is not None:
             self.url, self.model = found.url, found.model
             self.fingerprint, self.block_size = found.fingerprint, found.block_size
+
+
+def _continues(prompt: PromptIds, answered: tuple[int, int]) -> bool:
+    """Whether ``prompt`` starts with the answered prompt of this (length, digest)."""
+    length, digest = answered
+    return len(prompt) >= length and prompt.digest(length) == digest

@@ -15,7 +15,8 @@ Shared by every policy:
 * a hard queue cap ``max_queue`` on ``waiting + inflight``: a candidate at or above it is never
   chosen (its score has ``capped=True`` and ``cost=inf``); when every candidate is capped the
   decision's ``replica_id`` is ``None`` and the gateway answers 429/503;
-* ties are broken at random (an injectable ``random.Random``), never by list position.
+* ties are broken by the policy's own further keys, then at random (an injectable
+  ``random.Random``), never by list position.
 
 Only stdlib here: the gateway must never import torch.
 """
@@ -71,6 +72,7 @@ class Candidate:
     inflight_prefill_tokens: int  # their uncached prompt tokens
     cache_comparable: bool = True  # False: its tokenizer fingerprint differs, cache counts mean nothing
     returning: int = 0  # requests it answered moments ago, whose next turns may come (not this one's)
+    continues: bool = False  # this request continues one it answered moments ago (a chat's next turn)
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +96,7 @@ class Score:
     load: float
     cost: float
     capped: bool = False
+    continues: bool = False  # a chat's next turn, here where its last turn was answered: wins ties
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,14 +128,14 @@ def is_capped(candidate: Candidate, max_queue: int | None) -> bool:
     return max_queue is not None and candidate.waiting + candidate.inflight >= max_queue
 
 
-def pick_lowest(rng: random.Random, items: Sequence[tuple[float, float, str]]) -> str:
-    """The id of the item with the lowest first key, then second key, then uniformly at random."""
-    best = min(item[0] for item in items)
-    tied = [item for item in items if item[0] <= best + _EPS * max(1.0, abs(best))]
-    if len(tied) > 1:
-        best = min(item[1] for item in tied)
-        tied = [item for item in tied if item[1] <= best + _EPS * max(1.0, abs(best))]
-    return tied[0][2] if len(tied) == 1 else rng.choice(tied)[2]
+def pick_lowest(rng: random.Random, items: Sequence[tuple[tuple[float, ...], str]]) -> str:
+    """The id of the item with the lowest keys (``(keys, id)``: the first key, among equals the
+    next, and so on), then uniformly at random."""
+    tied = list(items)
+    for index in range(len(tied[0][0])):
+        best = min(keys[index] for keys, _ in tied)
+        tied = [item for item in tied if item[0][index] <= best + _EPS * max(1.0, abs(best))]
+    return tied[0][1] if len(tied) == 1 else rng.choice(tied)[1]
 
 
 class Policy(ABC):

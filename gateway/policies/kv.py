@@ -2,9 +2,11 @@
 
 ``cost(r) = uncached_prefill_tokens(r) + lam · load(r)``, with
 ``uncached = prompt_tokens − matched_tokens`` (blocks predicted or confirmed on ``r``, no credit
-when its tokenizer fingerprint differs). Lowest cost wins; ties go to the lower load, then to a
-uniformly random one. A hot prefix spreads on its own: each request routed to its holder raises
-that holder's load, until recomputing the prefix on an idle replica costs less.
+when its tokenizer fingerprint differs). Lowest cost wins; ties go to the lower load, then to the
+replica that answered the conversation's last turn moments ago (its events of that answer may not
+have reached the gateway yet), then to a uniformly random one. A hot prefix spreads on its own:
+each request routed to its holder raises that holder's load, until recomputing the prefix on an
+idle replica costs less.
 """
 
 from __future__ import annotations
@@ -34,16 +36,15 @@ class KVPolicy(Policy):
         for c in candidates:
             matched = matched_tokens(request, c)
             load = candidate_load(c, decode_weight)
-            if is_capped(c, max_queue):
-                scores.append(Score(c.replica_id, matched, load, math.inf, True))
-            else:
-                scores.append(
-                    Score(c.replica_id, matched, load, request.prompt_tokens - matched + lam * load)
-                )
+            capped = is_capped(c, max_queue)
+            cost = math.inf if capped else request.prompt_tokens - matched + lam * load
+            scores.append(Score(c.replica_id, matched, load, cost, capped, c.continues))
         return scores
 
     def decide(self, scores: list[Score], policy: str) -> Decision:
-        open_ = [(s.cost, s.load, s.replica_id) for s in scores if not s.capped]
+        open_ = [
+            ((s.cost, s.load, 0.0 if s.continues else 1.0), s.replica_id) for s in scores if not s.capped
+        ]
         return Decision(pick_lowest(self.rng, open_) if open_ else None, scores, policy)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:

@@ -13,5 +13,5 @@ class LeastLoadedPolicy(Policy):
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         scores = self.load_scores(request, candidates)
-        open_ = [(s.load, 0.0, s.replica_id) for s in scores if not s.capped]
+        open_ = [((s.load,), s.replica_id) for s in scores if not s.capped]
         return Decision(pick_lowest(self.rng, open_) if open_ else None, scores, self.name)

@@ -66,6 +66,11 @@ class PromptIds:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def digest(self, length: int) -> int:
+        """A 64-bit hash of the first ``length`` ids: whether a later prompt starts with this one
+        (a chat's next turn holds its previous prompt whole) is one hash of its first ids."""
+        return xxhash.xxh3_64_intdigest(memoryview(self.ids)[:length])
+
     def block_hashes(self, block_size: int, seed: int) -> list[int]:
         """``kvroute.protocol.block_hashes`` of the ids, memoized: the list is shared, do not modify it."""
         memo = self._hashes

@@ -178,7 +178,8 @@ def test_admin_route_explains_without_sending(stack: Stack) -> None:
 
 def test_admin_route_shows_the_next_turn_a_replica_awaits(stack: Stack) -> None:
     """Right after an answer, the replica that gave it counts the chat's next turn as coming:
-    one awaited turn (one sequence of load) to any other request, none to that next turn."""
+    one awaited turn (one sequence of load) to any other request, none to that next turn, which
+    it shows as continuing the answer there."""
     time.sleep(2.1)  # the answers of earlier tests are no longer awaited (--expect-return 2 s)
     opening = {"role": "user", "content": "Tell me a short story about a lighthouse keeper and a storm."}
     answered = stack.post("/v1/chat/completions", {"model": stack.model, "messages": [opening]}, key=DATA_KEY)
@@ -194,7 +195,9 @@ def test_admin_route_shows_the_next_turn_a_replica_awaits(stack: Stack) -> None:
     same = stack.post("/admin/route", {"model": stack.model, "messages": next_turn}, key=ADMIN_KEY).json()
     [other_row], [same_row] = other["candidates"], same["candidates"]
     assert other_row["awaited_turns"] == 1 and other_row["load"] == 64, other_row
+    assert not other_row["continues"], other_row
     assert same_row["awaited_turns"] == 0 and same_row["load"] == 0, same_row
+    assert same_row["continues"], same_row
 
 
 def test_drain_takes_the_only_replica_out_of_rotation(stack: Stack) -> None:

@@ -5,6 +5,7 @@ since it was taken."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -207,12 +208,45 @@ def test_a_chat_just_answered_keeps_its_place_for_its_next_turn() -> None:
     plan_b = route(router, replicas, chat_b_next)
     assert {s.replica_id: s.cost for s in plan_b.decision.scores} == {"holder": 168 - 96, "idle": 168}
     fleet.done(router.commit(plan_b, holder, len(chat_b_next), 1))
-    assert list(holder.flights.answered) == [chat_b_next.block_hashes(16, seed)[-1]], "B's turn came"
+    assert list(holder.flights.answered) == [(168, chat_b_next.digest(168))], "B's turn came"
 
     router.expect_return_s = 0.05
     assert route(router, replicas, chat_a).winner == "idle"  # B's next-but-one turn is awaited
     time.sleep(0.06)  # no next turn came in time: the cached opening wins again
     assert route(router, replicas, chat_a).winner == "holder"
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_short_chats_next_turn_stays_before_the_answer_is_in_the_index(seed: int) -> None:
+    """Chat B's first turn is short: its only full blocks are the template's opening, which both
+    replicas hold. B's next turn comes before the holder's events of B's answer reach the gateway,
+    so both replicas match the opening alone at equal load: the tie goes to the replica that just
+    answered B, whatever the random draw (by chance, half of such turns left). Chat A's first turn,
+    which shares the opening but not B's prompt, continues nothing there: B's awaited turn keeps
+    counting as load for it, and A goes to the idle replica."""
+    router = new_router(make_policy("kv", rng=random.Random(seed)), gateway_id=GATEWAY)
+    mirror, fleet, hash_seed = router.mirror, router.fleet, model_seed("m", "fp")
+    opening = list(range(48))
+    for replica_id in ("holder", "idle"):
+        mirror.index.add_replica(replica_id, "m")
+        mirror.index.stored(replica_id, PromptIds.of(opening).block_hashes(16, hash_seed))
+    taken_at = time.time() - 0.2
+    replicas = [replica("holder", taken_at), replica("idle", taken_at)]
+    chat_b = PromptIds.of([*opening, *range(500, 510)])  # 58 tokens: the opening's 3 full blocks
+    plan_b = route(router, replicas, chat_b)
+    holder = fleet.get("holder")
+    assert holder is not None
+    fleet.done(router.commit(plan_b, holder, len(chat_b), 1))
+
+    chat_a = PromptIds.of([*opening, *range(700, 710)])
+    plan_a = route(router, replicas, chat_a)
+    assert not any(score.continues for score in plan_a.decision.scores)
+    assert plan_a.winner == "idle", plan_a.decision.scores
+    chat_b_next = PromptIds.of([*chat_b.ids, *range(900, 930)])  # B's answer and next message
+    plan_next = route(router, replicas, chat_b_next)
+    costs = {s.replica_id: (s.cost, s.continues) for s in plan_next.decision.scores}
+    assert costs == {"holder": (88 - 48, True), "idle": (88 - 48, False)}
+    assert plan_next.winner == "holder"
 
 
 class Answer:
