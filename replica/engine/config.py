@@ -62,7 +62,8 @@ class EngineConfig:
     decode_context_mb: float = option(
         256.0,
         "--decode-context-mb",
-        "memory for the decodes' gathered K/V kept from step to step (0: gathered every step)",
+        "memory for the decodes' gathered K/V kept from step to step where the fused CPU kernel "
+        "is off (CUDA, fp16, no C++ compiler); 0: gathered every step",
     )
     max_num_seqs: int = option(64, "--max-num-seqs", "sequences decoded together at most")
     # per step: prefill chunks and decodes

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.model.decode_context import DecodeContext
+from replica.model.ops import decode_attention
 
 
 @dataclass
@@ -45,6 +46,7 @@ class AttentionBatch:
     prefills: list[PrefillGroup]
     decode_context: DecodeContext | None = None  # the last step's gathered decode K/V
     decode_positions: torch.Tensor | None = None  # [decodes]: each new token's index in that context
+    decode_lengths: torch.Tensor | None = None  # [decodes]: set where ops.decode_attention reads the pool
 
 
 @functools.lru_cache(maxsize=16)
@@ -93,8 +95,11 @@ def paged_attention(
     slots = kv_cache.view(two, kv_heads, pages * page_size, dim)
     slots.index_copy_(2, batch.slot_mapping, new_kv.permute(1, 2, 0, 3))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    if batch.num_decodes:
-        decodes = batch.num_decodes
+    decodes = batch.num_decodes
+    if decodes and batch.decode_lengths is not None:
+        assert batch.decode_pages is not None
+        decode_attention(q[:decodes], kv_cache, batch.decode_pages, batch.decode_lengths, out[:decodes])
+    elif decodes:
         context = _decode_context(new_kv[:decodes], kv_cache, batch, layer)
         _decode_attention(q[:decodes], context, batch, out[:decodes])
     for group in batch.prefills:

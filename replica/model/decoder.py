@@ -2,7 +2,8 @@
 
 Weights are plain tensors, q/k/v and gate/up fused into one matmul each, so a step costs few
 kernel launches. The arithmetic follows transformers' eager implementation op for op (RMSNorm in
-fp32, rotary tables in fp32), which is what lets tests compare logits to 1e-4.
+fp32, rotary tables in fp32), which is what lets tests compare logits to 1e-4; the residual add,
+the norms, rotary and the gated activation are fused where ``ops`` can.
 """
 
 from __future__ import annotations
@@ -16,19 +17,9 @@ import torch.nn.functional as F
 from replica.model.attention import AttentionBatch, paged_attention
 from replica.model.config import ModelConfig
 from replica.model.linear import Linear
-from replica.model.rotary import RotaryEmbedding, rotate_
+from replica.model.ops import add_rms_norm_, rms_norm, rotate_, silu_and_mul
+from replica.model.rotary import RotaryEmbedding
 from replica.model.weights import iter_tensors
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' RMSNorm: normalise in fp32, round to the model dtype, then scale.
-
-    fp32 takes one fused op (bit-identical); bf16/fp16 must not normalise in low precision, which
-    drifts visibly over 30 layers.
-    """
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)
-    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
 @dataclass
@@ -85,11 +76,15 @@ class DecoderLM:
         """Returns the final-normed hidden states [tokens, hidden]; kv_cache: [layers, slots, 2, ...]."""
         cfg = self.config
         heads, kv_heads = cfg.num_heads, cfg.num_kv_heads
-        hidden = F.embedding(input_ids, self.embed)
+        hidden = F.embedding(input_ids, self.embed)  # the residual stream, updated in place
         cos, sin = self.rotary.tables(positions)
         tokens = input_ids.shape[0]
+        mlp_out: torch.Tensor | None = None
         for index, layer in enumerate(self.layers):
-            h = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            if mlp_out is None:
+                h = rms_norm(hidden, layer.input_norm, cfg.rms_norm_eps)
+            else:
+                h = add_rms_norm_(hidden, mlp_out, layer.input_norm, cfg.rms_norm_eps)
             # q, k and v heads side by side: [tokens, heads + 2 * kv_heads, head_dim]
             qkv = layer.qkv(h).view(tokens, heads + 2 * kv_heads, cfg.head_dim)
             if layer.q_norm is not None and layer.k_norm is not None:
@@ -100,11 +95,12 @@ class DecoderLM:
             rotate_(qkv[:, : heads + kv_heads], cos, sin)
             new_kv = qkv[:, heads:].view(tokens, 2, kv_heads, cfg.head_dim)
             attn = paged_attention(qkv[:, :heads], new_kv, kv_cache[index], batch, index)
-            hidden = hidden + layer.o(attn.view(tokens, self.q_size))
-            h = rms_norm(hidden, layer.post_norm, cfg.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            hidden = hidden + layer.down(F.silu(gate, inplace=True) * up)
-        return rms_norm(hidden, self.norm, cfg.rms_norm_eps)
+            h = add_rms_norm_(
+                hidden, layer.o(attn.view(tokens, self.q_size)), layer.post_norm, cfg.rms_norm_eps
+            )
+            mlp_out = layer.down(silu_and_mul(layer.gate_up(h)))
+        assert mlp_out is not None
+        return add_rms_norm_(hidden, mlp_out, self.norm, cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -34,7 +34,7 @@ def _llama3(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """Precomputed cos/sin tables for every position, and the rotation applied in place.
+    """Precomputed cos/sin tables for every position (``ops.rotate_`` applies them).
 
     ``sin`` is stored with its first half negated: rotating by half the head dimension then turns
     transformers' ``rotate_half(x) * sin`` into ``roll(x) * sin``, two ops fewer per layer with the
@@ -59,9 +59,3 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin for these positions, shaped [tokens, 1, head_dim] to broadcast over heads."""
         return self.cos[positions].unsqueeze(1), self.signed_sin[positions].unsqueeze(1)
-
-
-def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-    """Rotates x [tokens, heads, head_dim] in place: ``x * cos + rotate_half(x) * sin``."""
-    rotated = x.roll(x.shape[-1] // 2, dims=-1).mul_(signed_sin)
-    x.mul_(cos).add_(rotated)

@@ -17,6 +17,7 @@ from replica.model.attention import AttentionBatch, PrefillGroup, decode_bias
 from replica.model.config import ModelConfig
 from replica.model.decode_context import DecodeContext
 from replica.model.decoder import DecoderLM
+from replica.model.ops import native_decode_attention
 from replica.model.sampler import sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -49,6 +50,8 @@ class ModelRunner:
         self.page_size = pool.page_size
         self._page_offsets = torch.arange(pool.page_size, device=device)
         self._decode_context = DecodeContext(model.config.num_layers, decode_context_bytes)
+        # The native kernel reads decodes' K/V from the pool's pages: no context to gather or carry.
+        self._native_decode = native_decode_attention(model.dtype, device)
 
     @classmethod
     def load(cls, config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
@@ -153,8 +156,9 @@ class ModelRunner:
             decode.pages,
             decode.bias,
             prefills,
-            self._decode_context,
+            None if self._native_decode else self._decode_context,
             decode.positions,
+            decode.lengths,
         )
 
     def _prefill_group(self, length: int, context: int, chunks: list[tuple[int, list[int]]]) -> PrefillGroup:
@@ -170,25 +174,31 @@ class ModelRunner:
         return PrefillGroup(starts, length, context, rows, pages)
 
     def _decode_batch(self, decodes: list[Sequence]) -> _DecodeBatch:
-        """The decodes' page tables (padded to the longest), mask, slots and context positions;
-        tells the decode context whether this step carries the last one's over."""
+        """The decodes' page tables (padded to the longest) and slots; for the batched-matmul form
+        also the mask and context positions, telling the decode context whether this step carries
+        the last one's over."""
         size, cfg = self.page_size, self.model.config
         lengths = [seq.num_computed + 1 for seq in decodes]  # each context, this token included
         width = -(-max(lengths) // size)
-        keys = width * size
-        row_bytes = 2 * cfg.num_kv_heads * keys * cfg.head_dim * self.pool.kv.element_size()
-        self._decode_context.begin(decodes, lengths, width, row_bytes * len(decodes))
         table = [(seq.page_table + [0] * width)[:width] for seq in decodes]
         new_slots = [
             seq.page_table[(n - 1) // size] * size + (n - 1) % size
             for seq, n in zip(decodes, lengths, strict=True)
         ]
-        group = cfg.num_heads // cfg.num_kv_heads
+        pages = torch.tensor(table, device=self.device)
+        slots = torch.tensor(new_slots, device=self.device)
         lengths_t = torch.tensor(lengths, device=self.device)
+        if self._native_decode:
+            self._decode_context.clear()
+            return _DecodeBatch(pages, slots, lengths=lengths_t)
+        keys = width * size
+        row_bytes = 2 * cfg.num_kv_heads * keys * cfg.head_dim * self.pool.kv.element_size()
+        self._decode_context.begin(decodes, lengths, width, row_bytes * len(decodes))
+        group = cfg.num_heads // cfg.num_kv_heads
         return _DecodeBatch(
-            pages=torch.tensor(table, device=self.device),
+            pages,
+            slots,
             bias=decode_bias(lengths_t, keys, cfg.num_kv_heads, group, self.model.dtype),
-            new_slots=torch.tensor(new_slots, device=self.device),
             positions=torch.tensor([row * keys + n - 1 for row, n in enumerate(lengths)], device=self.device),
         )
 
@@ -196,6 +206,7 @@ class ModelRunner:
 @dataclass
 class _DecodeBatch:
     pages: torch.Tensor  # [decodes, width]
-    bias: torch.Tensor  # see decode_bias()
     new_slots: torch.Tensor  # [decodes]: where each new token's K/V goes in the pool
-    positions: torch.Tensor  # [decodes]: ... and in the decode context's rows
+    bias: torch.Tensor | None = None  # see decode_bias(); batched-matmul form only
+    positions: torch.Tensor | None = None  # [decodes]: ... and in the decode context's rows; ditto
+    lengths: torch.Tensor | None = None  # [decodes]: each context's keys; native kernel only

@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from replica.home import kvroute_home
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -45,11 +47,6 @@ ROUND_TRIP_SAMPLE = (
 )
 
 Progress = Callable[[str], None]
-
-
-def kvroute_home() -> Path:
-    """Root of kvroute's caches: ``$KVROUTE_HOME``, else ``~/.cache/kvroute``."""
-    return Path(os.environ.get("KVROUTE_HOME") or Path.home() / ".cache" / "kvroute").expanduser()
 
 
 def default_model_dir() -> Path:

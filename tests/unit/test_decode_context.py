@@ -1,16 +1,22 @@
 """Decode K/V carried from step to step (``replica/model/decode_context.py``) computes exactly what
 gathering every step computes, while the decoding set holds, changes, pauses, crosses page
-boundaries and shares steps with prefill chunks; and it is really carried, not always gathered."""
+boundaries and shares steps with prefill chunks; and it is really carried, not always gathered.
+
+That is the batched-matmul form of decode attention, which runs where the fused native kernel
+does not (CUDA, fp16, no C++ compiler): these tests switch the kernels off."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
 import torch
 
 from replica.engine.llm_engine import LLMEngine
 from replica.engine.scheduler import ScheduledBatch
 from replica.engine.sequence import Sequence
+from replica.model import native
 from replica.model.decode_context import DecodeContext
 from tests.conftest import EngineFactory
 from tests.unit.test_engine_logits import assert_close, random_prompt, reference_logits, run_chunk, start
@@ -20,6 +26,14 @@ from tests.unit.test_engine_logits import assert_close, random_prompt, reference
 SCHEDULE = [[0, 1, 2]] * 9 + [[0, 2]] * 3 + [[0, 1, 2]] * 2 + [[0, 1, 2, 3]] * 4 + [[1, 3]] * 2
 MIXED = {5: (4, 20), 13: (4, None)}  # step -> (prompt, chunk end; None: the whole prompt)
 PROMPT_LENGTHS = (40, 63, 17, 5, 50)
+
+
+@pytest.fixture(autouse=True)
+def batched_matmul_decode(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(native.DISABLE_ENV, "0")
+    native.kernels.cache_clear()
+    yield
+    native.kernels.cache_clear()
 
 
 def decode(engine: LLMEngine, steps: int) -> tuple[list[Sequence], list[torch.Tensor]]:
