@@ -1,6 +1,7 @@
-// Fused CPU kernels for the decoder's elementwise work: residual add with RMSNorm, the gated
-// activation (SiLU(gate) * up) and rotary embedding. Eager PyTorch spends 6-10 ops on each of
-// these, one pass over memory and one dispatch apiece; here each is one pass.
+// Fused CPU kernels for the decoder's elementwise work (residual add with RMSNorm, the gated
+// activation SiLU(gate) * up, rotary embedding) and for decode attention over the paged KV pool.
+// Eager PyTorch spends 3-12 ops on each of these, one pass over memory and one dispatch apiece;
+// here each is one pass.
 //
 // Every kernel rounds where the eager ops round (to the model's dtype after each op, fp32 inside
 // RMSNorm), so a bf16 result carries the same roundings as transformers' eager code. Rows are

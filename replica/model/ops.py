@@ -1,15 +1,15 @@
-"""The decoder's elementwise steps: RMSNorm (with the residual add before it), the gated
-activation and rotary embedding.
+"""The decoder's elementwise steps (RMSNorm with the residual add before it, the gated activation,
+rotary embedding) and decode attention over the paged pool.
 
 On the CPU, in fp32 and bf16, each is one fused native kernel (``native.py``); elsewhere, or
-without the kernels, the eager ops below, which follow transformers' implementation op for op.
-Both round alike (each product and sum to the model's dtype, RMSNorm in fp32 inside), which tests
-check kernel against eager.
+without the kernels, the eager ops below (and ``attention.py``'s batched matmuls), which follow
+transformers' implementation op for op. Both round alike (each product and sum to the model's
+dtype, RMSNorm in fp32 inside), which tests check kernel against eager.
 """
 
 from __future__ import annotations
 
-import ctypes
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -17,71 +17,55 @@ import torch.nn.functional as F
 from replica.model.native import SUFFIXES, kernels
 
 
-def _native(*tensors: torch.Tensor) -> tuple[ctypes.CDLL, str] | None:
-    """The kernels and the dtype's suffix where they apply to these tensors, else None."""
+def _kernel(name: str, *tensors: torch.Tensor) -> Callable[..., None] | None:
+    """The kernel ``name`` for these tensors' dtype where it applies to them (CPU, fp32 or bf16,
+    one dtype, contiguous), else None."""
     first = tensors[0]
     if first.device.type != "cpu" or first.dtype not in SUFFIXES:
         return None
     library = kernels()
     if library is None or not all(t.is_contiguous() and t.dtype == first.dtype for t in tensors):
         return None
-    return library, SUFFIXES[first.dtype]
+    return getattr(library, f"{name}_{SUFFIXES[first.dtype]}")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, as transformers computes it."""
-    native = _native(x, weight)
-    if native is None:
+    kernel = _kernel("rms_norm", x, weight)
+    if kernel is None:
         return eager_rms_norm(x, weight, eps)
-    library, suffix = native
-    out = torch.empty_like(x)
-    width = x.shape[-1]
-    getattr(library, f"rms_norm_{suffix}")(
-        x.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        x.numel() // width,
-        width,
-        eps,
-        torch.get_num_threads(),
-    )
-    return out
+    return _normed(kernel, x, weight, eps)
 
 
 def add_rms_norm_(
     residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> torch.Tensor:
     """``residual += delta`` (in place), then RMSNorm of the new residual: one pass instead of two."""
-    native = _native(residual, delta, weight)
-    if native is None:
+    kernel = _kernel("add_rms_norm", residual, delta, weight)
+    if kernel is None:
         return eager_rms_norm(residual.add_(delta), weight, eps)
-    library, suffix = native
-    out = torch.empty_like(residual)
-    width = residual.shape[-1]
-    getattr(library, f"add_rms_norm_{suffix}")(
-        residual.data_ptr(),
-        delta.data_ptr(),
-        weight.data_ptr(),
-        out.data_ptr(),
-        residual.numel() // width,
-        width,
-        eps,
-        torch.get_num_threads(),
-    )
+    return _normed(kernel, residual, weight, eps, delta)
+
+
+def _normed(
+    kernel: Callable[..., None], x: torch.Tensor, weight: torch.Tensor, eps: float, *delta: torch.Tensor
+) -> torch.Tensor:
+    """Runs a norm kernel over x's rows (``delta`` added first where given) into a new tensor."""
+    out = torch.empty_like(x)
+    width = x.shape[-1]
+    pointers = [x.data_ptr(), *(d.data_ptr() for d in delta), weight.data_ptr(), out.data_ptr()]
+    kernel(*pointers, x.numel() // width, width, eps, torch.get_num_threads())
     return out
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``SiLU(gate) * up`` for gate_up [rows, 2 * width], gate first."""
-    native = _native(gate_up)
-    if native is None:
+    kernel = _kernel("silu_and_mul", gate_up)
+    if kernel is None:
         return eager_silu_and_mul(gate_up)
-    library, suffix = native
     rows, width = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(rows, width)
-    getattr(library, f"silu_and_mul_{suffix}")(
-        gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads()
-    )
+    kernel(gate_up.data_ptr(), out.data_ptr(), rows, width, torch.get_num_threads())
     return out
 
 
@@ -89,22 +73,13 @@ def rotate_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> Non
     """Rotates x [tokens, heads, head_dim] in place: ``x * cos + rotate_half(x) * sin``, where
     cos and signed_sin are [tokens, 1, head_dim] and signed_sin's first half is negated (see
     ``RotaryEmbedding``). x may be a slice of wider rows (q and k heads of a fused projection)."""
-    native = _native(cos, signed_sin)
+    kernel = _kernel("rotary", cos, signed_sin)
     tokens, heads, dim = x.shape
-    if native is None or x.dtype != cos.dtype or x.stride(2) != 1 or x.stride(1) != dim:
+    if kernel is None or x.dtype != cos.dtype or x.stride(2) != 1 or x.stride(1) != dim:
         eager_rotate_(x, cos, signed_sin)
         return
-    library, suffix = native
-    getattr(library, f"rotary_{suffix}")(
-        x.data_ptr(),
-        cos.data_ptr(),
-        signed_sin.data_ptr(),
-        tokens,
-        heads,
-        dim,
-        x.stride(0),
-        torch.get_num_threads(),
-    )
+    threads = torch.get_num_threads()
+    kernel(x.data_ptr(), cos.data_ptr(), signed_sin.data_ptr(), tokens, heads, dim, x.stride(0), threads)
 
 
 def native_decode_attention(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -125,12 +100,12 @@ def decode_attention(
     q [decodes, heads, dim] (rows may be strided: q heads of the fused projection); kv_cache the
     pool's layer [2, kv_heads, pages, page_size, dim]; page_table [decodes, width] and lengths
     [decodes], int64. Only where :func:`native_decode_attention` holds."""
-    library, suffix = kernels(), SUFFIXES[q.dtype]
-    assert library is not None and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-    assert kv_cache.is_contiguous() and out.is_contiguous() and page_table.is_contiguous()
+    kernel = _kernel("decode_attention", kv_cache, out)
+    assert kernel is not None and q.dtype == out.dtype and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    assert page_table.is_contiguous() and lengths.is_contiguous()
     decodes, heads, dim = q.shape
     _, kv_heads, pages, page_size, _ = kv_cache.shape
-    getattr(library, f"decode_attention_{suffix}")(
+    kernel(
         q.data_ptr(),
         kv_cache.data_ptr(),
         page_table.data_ptr(),
