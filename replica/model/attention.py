@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from replica.model.decode_context import DecodeContext
-from replica.model.ops import decode_attention
+from replica.model.ops import decode_attention, extend_attention
 
 
 @dataclass
@@ -29,6 +29,7 @@ class PrefillGroup:
     context: int  # keys each chunk attends to: its earlier context and the chunk itself
     rows: torch.Tensor | None  # the chunks' flat rows, in order; None for one chunk (a slice)
     context_pages: torch.Tensor | None  # the chunks' context pages, one after the other; None: none earlier
+    offsets: torch.Tensor | None = None  # starts as a tensor: set where ops.extend_attention runs (pages too)
 
     @property
     def count(self) -> int:
@@ -110,9 +111,15 @@ def paged_attention(
 def _prefill_group(
     q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor, group: PrefillGroup, out: torch.Tensor
 ) -> None:
-    """One group's attention, written into its rows of ``out``. A lone chunk is sliced; several
-    are gathered into one batch and their rows scattered back."""
+    """One group's attention, written into its rows of ``out``: the native AMX kernel where the
+    runner set ``offsets`` (it reads the pages itself); else a lone chunk is sliced, several are
+    gathered into one batch and their rows scattered back."""
     count, length = group.count, group.length
+    if group.offsets is not None:
+        assert group.context_pages is not None
+        table = group.context_pages.view(count, -1)
+        extend_attention(q, kv_cache, table, group.offsets, length, group.context, out)
+        return
     kv_heads, dim = kv_cache.shape[1], kv_cache.shape[-1]
     if group.rows is None:
         rows = slice(group.starts[0], group.starts[0] + length)
@@ -137,7 +144,8 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of chunks' queries q [count, length, heads, dim], the tails of their
     contexts k, v [count, kv_heads, keys, dim]; returns [count, length, heads, dim], written into
-    ``out`` when given. SDPA on CUDA, in fp32 and on CPUs with AMX; the blocked form elsewhere."""
+    ``out`` when given. SDPA on CUDA, in fp32 and on CPUs with AMX (where the native kernel,
+    ``ops.extend_attention``, does not run); the blocked form elsewhere."""
     if q.device.type == "cpu" and q.dtype != torch.float32 and not _cpu_has_amx():
         return blocked_causal_attention(q, k, v, out)
     length, keys = q.shape[1], k.shape[2]

@@ -1,11 +1,13 @@
 // Fused CPU kernels for the decoder's elementwise work (residual add with RMSNorm, the gated
-// activation SiLU(gate) * up, rotary embedding) and for decode attention over the paged KV pool.
-// Eager PyTorch spends 3-12 ops on each of these, one pass over memory and one dispatch apiece;
-// here each is one pass.
+// activation SiLU(gate) * up, rotary embedding), for decode attention over the paged KV pool,
+// and, on CPUs with AMX tiles, for prefill attention over it. Eager PyTorch spends 3-12 ops on
+// each of the elementwise steps, one pass over memory and one dispatch apiece; here each is one
+// pass.
 //
 // Every kernel rounds where the eager ops round (to the model's dtype after each op, fp32 inside
-// RMSNorm), so a bf16 result carries the same roundings as transformers' eager code. Rows are
-// independent: a row's bits never depend on how many rows share the call.
+// RMSNorm), so a bf16 result carries the same roundings as transformers' eager code; the
+// attention kernels' dot products are fused multiply-adds, as the matmuls they replace compute
+// them. Rows are independent: a row's bits never depend on how many rows share the call.
 //
 // Compiled for the host CPU by replica/model/native.py (-O3 -march=native -ffp-contract=off: the
 // loops vectorise, and no multiply-add is fused into an FMA the eager ops would not use).
@@ -13,6 +15,17 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+// KVROUTE_PORTABLE keeps the AVX-512 forms out, so tests run the portable loops on any CPU.
+#if defined(__AVX512F__) && !defined(KVROUTE_PORTABLE)
+#define KVROUTE_AVX512 1
+#include <immintrin.h>
+#endif
+#if defined(KVROUTE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define KVROUTE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -145,76 +158,400 @@ void rotary(typename D::T* x, const typename D::T* cos, const typename D::T* sig
 // pool: no gathered copy of the context. q [decodes, heads, dim] (tokens ``q_stride`` apart),
 // kv the pool's layer [2, kv_heads, pages, page_size, dim], page_table [decodes, width], each
 // context ``lengths[d]`` keys long; out [decodes, heads, dim]. Rounded as the eager form: scores
-// to the dtype after the scale, softmax in fp32, its weights to the dtype, the weighted sum
-// accumulated in fp32. The query heads sharing a KV head are done together: each key and value
-// row is read once for them all.
+// to the dtype after the scale, softmax in fp32, its weights to the dtype, the weighted sums
+// accumulated in fp32 (their products fused into the sums, as the eager form's matmuls do). The
+// query heads sharing a KV head are done together, one task per sequence and KV head.
+struct DecodeShape {
+  int64_t heads, kv_heads, dim, pages, page_size, width, q_stride;
+  float scale;
+};
+
+// Where the key (or value, with ``base`` the pool's value half) of context position j lies.
+template <class T, class Shape>
+inline const T* kv_row(const T* base, const int64_t* table, int64_t head, int64_t j, const Shape& s) {
+  return base + head * s.pages * s.page_size * s.dim + (table[j / s.page_size] * s.page_size + j % s.page_size) * s.dim;
+}
+
+// The scaled scores of ``group`` query heads over ``length`` keys into scores [group, length]:
+// any CPU, any head size.
 template <class D>
-void decode_attention(const typename D::T* q, const typename D::T* kv, const int64_t* page_table,
-                      const int64_t* lengths, typename D::T* out, int64_t decodes, int64_t heads,
-                      int64_t kv_heads, int64_t dim, int64_t pages, int64_t page_size, int64_t width,
-                      int64_t q_stride, float scale, int threads) {
-  const int64_t group = heads / kv_heads;
-  const int64_t head_stride = pages * page_size * dim;
-  const typename D::T* values = kv + kv_heads * head_stride;
-  int64_t longest = 0;
-  for (int64_t d = 0; d < decodes; ++d) longest = lengths[d] > longest ? lengths[d] : longest;
-#pragma omp parallel num_threads(threads) if (threads > 1 && decodes * kv_heads > 1)
-  {
-    float* scores = new float[group * longest];
-    float* query = new float[group * dim];
-    float* acc = new float[group * dim];
-#pragma omp for schedule(static)
-    for (int64_t task = 0; task < decodes * kv_heads; ++task) {
-      const int64_t d = task / kv_heads, h = task % kv_heads, length = lengths[d];
-      const int64_t* table = page_table + d * width;
-      for (int64_t g = 0; g < group; ++g) {
-        const typename D::T* src = q + d * q_stride + (h * group + g) * dim;
-        for (int64_t i = 0; i < dim; ++i) query[g * dim + i] = D::load(src[i]);
-      }
-      for (int64_t j = 0; j < length; ++j) {
-        const typename D::T* key = kv + h * head_stride + (table[j / page_size] * page_size + j % page_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qg = query + g * dim;
-          float dot = 0.0f;
+void decode_scores(const typename D::T* q, const typename D::T* kv, const int64_t* table, int64_t h,
+                   int64_t length, int64_t group, const DecodeShape& s, float* query, float* scores) {
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t i = 0; i < s.dim; ++i) query[g * s.dim + i] = D::load(q[g * s.dim + i]);
+  }
+  for (int64_t j = 0; j < length; ++j) {
+    const typename D::T* key = kv_row(kv, table, h, j, s);
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = query + g * s.dim;
+      float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < dim; ++i) dot += qg[i] * D::load(key[i]);
-          scores[g * length + j] = D::round(dot * scale);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* row = scores + g * length;
-        float top = row[0];
-        for (int64_t j = 1; j < length; ++j) top = row[j] > top ? row[j] : top;
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < length; ++j) {
-          row[j] = fast_exp(row[j] - top);
-          sum += row[j];
-        }
-        const float inv = 1.0f / sum;
-#pragma omp simd
-        for (int64_t j = 0; j < length; ++j) row[j] = D::round(row[j] * inv);
-      }
-      for (int64_t i = 0; i < group * dim; ++i) acc[i] = 0.0f;
-      for (int64_t j = 0; j < length; ++j) {
-        const typename D::T* value = values + h * head_stride + (table[j / page_size] * page_size + j % page_size) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const float weight = scores[g * length + j];
-          float* a = acc + g * dim;
-#pragma omp simd
-          for (int64_t i = 0; i < dim; ++i) a[i] += weight * D::load(value[i]);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        typename D::T* dst = out + (d * heads + h * group + g) * dim;
-        for (int64_t i = 0; i < dim; ++i) dst[i] = D::store(acc[g * dim + i]);
-      }
+      for (int64_t i = 0; i < s.dim; ++i) dot += qg[i] * D::load(key[i]);
+      scores[g * length + j] = dot;
     }
-    delete[] scores;
-    delete[] query;
-    delete[] acc;
   }
 }
+
+// The weighted sums of ``length`` value rows for ``group`` heads: acc [group, dim], fp32.
+template <class D>
+void decode_values(const float* weights, const typename D::T* values, const int64_t* table, int64_t h,
+                   int64_t length, int64_t group, const DecodeShape& s, float* acc) {
+  for (int64_t i = 0; i < group * s.dim; ++i) acc[i] = 0.0f;
+  for (int64_t j = 0; j < length; ++j) {
+    const typename D::T* value = kv_row(values, table, h, j, s);
+    for (int64_t g = 0; g < group; ++g) {
+      const float weight = weights[g * length + j];
+      float* a = acc + g * s.dim;
+#pragma omp simd
+      for (int64_t i = 0; i < s.dim; ++i) a[i] += weight * D::load(value[i]);
+    }
+  }
+}
+
+#if defined(KVROUTE_AVX512)
+// AVX-512 forms of the two loops above for head sizes of 16 * C: a key's dot products run in
+// C sixteen-lane registers and one horizontal sum (the generic loop's vectorised reduction spends
+// most of its time in per-key bookkeeping), and a value row is widened once for all its heads.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+// 2^x on sixteen lanes for finite x <= 0 (softmax weights): 2^round(x) times a degree-5 Taylor
+// polynomial of 2^f, |f| <= 1/2 (relative error < 3e-6, far below the weights' bf16 rounding).
+inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.33335581e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.61812911e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.55041087e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40226507e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.93147181e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <class D, int C>
+void decode_scores16(const typename D::T* q, const typename D::T* kv, const int64_t* table, int64_t h,
+                     int64_t length, int64_t group, const DecodeShape& s, float* scores) {
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 query[C];
+    for (int c = 0; c < C; ++c) query[c] = load16(q + g * s.dim + 16 * c);
+    for (int64_t j = 0; j < length; ++j) {
+      const typename D::T* key = kv_row(kv, table, h, j, s);
+      __m512 dot = _mm512_mul_ps(query[0], load16(key));
+      for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[c], load16(key + 16 * c), dot);
+      scores[g * length + j] = _mm512_reduce_add_ps(dot);
+    }
+  }
+}
+
+template <class D, int C>
+void decode_values16(const float* weights, const typename D::T* values, const int64_t* table, int64_t h,
+                     int64_t length, int64_t group, const DecodeShape& s, float* acc) {
+  for (int64_t g = 0; g < group; ++g) {
+    __m512 sum[C];
+    for (int c = 0; c < C; ++c) sum[c] = _mm512_setzero_ps();
+    const float* w = weights + g * length;
+    for (int64_t j = 0; j < length; ++j) {
+      const typename D::T* value = kv_row(values, table, h, j, s);
+      const __m512 weight = _mm512_set1_ps(w[j]);
+      for (int c = 0; c < C; ++c) sum[c] = _mm512_fmadd_ps(weight, load16(value + 16 * c), sum[c]);
+    }
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + g * s.dim + 16 * c, sum[c]);
+  }
+}
+#endif
+
+// One task: query heads [h * group, (h + 1) * group) of sequence d.
+template <class D>
+void decode_task(const typename D::T* q, const typename D::T* kv, const int64_t* table, int64_t h,
+                 int64_t length, const DecodeShape& s, typename D::T* out, float* scores, float* work) {
+  const int64_t group = s.heads / s.kv_heads;
+  const typename D::T* values = kv + s.kv_heads * s.pages * s.page_size * s.dim;
+  bool vectorised = false;
+#if defined(KVROUTE_AVX512)
+  vectorised = true;
+  switch (s.dim) {
+    case 16: decode_scores16<D, 1>(q, kv, table, h, length, group, s, scores); break;
+    case 32: decode_scores16<D, 2>(q, kv, table, h, length, group, s, scores); break;
+    case 64: decode_scores16<D, 4>(q, kv, table, h, length, group, s, scores); break;
+    case 128: decode_scores16<D, 8>(q, kv, table, h, length, group, s, scores); break;
+    default: vectorised = false;
+  }
+#endif
+  if (!vectorised) decode_scores<D>(q, kv, table, h, length, group, s, work, scores);
+  for (int64_t g = 0; g < group; ++g) {
+    float* row = scores + g * length;
+#pragma omp simd
+    for (int64_t j = 0; j < length; ++j) row[j] = D::round(row[j] * s.scale);
+    float top = row[0];
+    for (int64_t j = 1; j < length; ++j) top = row[j] > top ? row[j] : top;
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < length; ++j) {
+      row[j] = fast_exp(row[j] - top);
+      sum += row[j];
+    }
+    const float inv = 1.0f / sum;
+#pragma omp simd
+    for (int64_t j = 0; j < length; ++j) row[j] = D::round(row[j] * inv);
+  }
+  switch (vectorised ? s.dim : 0) {
+#if defined(KVROUTE_AVX512)
+    case 16: decode_values16<D, 1>(scores, values, table, h, length, group, s, work); break;
+    case 32: decode_values16<D, 2>(scores, values, table, h, length, group, s, work); break;
+    case 64: decode_values16<D, 4>(scores, values, table, h, length, group, s, work); break;
+    case 128: decode_values16<D, 8>(scores, values, table, h, length, group, s, work); break;
+#endif
+    default: decode_values<D>(scores, values, table, h, length, group, s, work);
+  }
+  for (int64_t i = 0; i < group * s.dim; ++i) out[i] = D::store(work[i]);
+}
+
+template <class D>
+void decode_attention(const typename D::T* q, const typename D::T* kv, const int64_t* page_table,
+                      const int64_t* lengths, typename D::T* out, int64_t decodes, const DecodeShape& s,
+                      int threads) {
+  const int64_t group = s.heads / s.kv_heads;
+  int64_t longest = 0;
+  for (int64_t d = 0; d < decodes; ++d) longest = lengths[d] > longest ? lengths[d] : longest;
+#pragma omp parallel num_threads(threads) if (threads > 1 && decodes * s.kv_heads > 1)
+  {
+    float* scores = new float[group * longest];
+    float* work = new float[group * s.dim];
+#pragma omp for schedule(static)
+    for (int64_t task = 0; task < decodes * s.kv_heads; ++task) {
+      const int64_t d = task / s.kv_heads, h = task % s.kv_heads;
+      decode_task<D>(q + d * s.q_stride + h * group * s.dim, kv, page_table + d * s.width, h, lengths[d], s,
+                     out + (d * s.heads + h * group) * s.dim, scores, work);
+    }
+    delete[] scores;
+    delete[] work;
+  }
+}
+
+#if defined(KVROUTE_AMX)
+// Prefill attention on AMX tiles: ``count`` chunks of ``length`` new queries each, the tails of
+// ``context``-key contexts read from the paged pool (the chunks' own K/V already written there),
+// each query seeing the keys up to its own position. Each KV head's context is packed once into
+// tile layout, then every 16 query rows of a head take 32-key blocks up to the last one they see
+// (SDPA's CPU kernel with a bottom-right mask computes the masked blocks too, and its small
+// matmuls run at a fraction of the tiles' speed): scores Q K^T and sums P V are bf16 tile
+// products accumulated in fp32, the softmax in fp32 with each row's exact maximum, its weights
+// rounded to bf16 for the second product (as SDPA's flash kernel does).
+struct ExtendShape {
+  int64_t count, length, context, heads, kv_heads, dim, pages, page_size, width, q_stride;
+  float scale;
+};
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+constexpr int64_t QUERY_TILE = 16, KEY_BLOCK = 32;
+
+// Linux hands out the tiles' state only on request (once per process; oneDNN asks the same).
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  return permitted;
+}
+
+// Block ``block`` (32 keys) of one chunk and KV head's keys as B tiles of Q K^T (16 keys x 32
+// dims, pairs of dims side by side: [block][dim / 32][16][16] u32) and values as B tiles of P V (32 keys x 16 dims, pairs of
+// keys side by side: [block of 32][dim / 16][16][32] u16); zero past the context.
+void pack_block(const uint16_t* kv, const int64_t* table, int64_t h, int64_t block, const ExtendShape& s,
+                uint32_t* keys, uint16_t* values) {
+  const uint16_t* value_half = kv + s.kv_heads * s.pages * s.page_size * s.dim;
+  const int64_t key_chunks = s.dim / 32, value_chunks = s.dim / 16;
+  for (int64_t j = block * KEY_BLOCK; j < (block + 1) * KEY_BLOCK; ++j) {
+    const bool real = j < s.context;
+    const uint16_t* key = real ? kv_row(kv, table, h, j, s) : nullptr;
+    const uint16_t* value = real ? kv_row(value_half, table, h, j, s) : nullptr;
+    for (int64_t c = 0; c < key_chunks; ++c) {
+      uint32_t* tile = keys + ((j / 16) * key_chunks + c) * 256 + j % 16;
+      for (int64_t pair = 0; pair < 16; ++pair) {
+        uint32_t bits = 0;
+        if (real) bits = static_cast<uint32_t>(key[32 * c + 2 * pair]) | static_cast<uint32_t>(key[32 * c + 2 * pair + 1]) << 16;
+        tile[pair * 16] = bits;
+      }
+    }
+    for (int64_t c = 0; c < value_chunks; ++c) {
+      uint16_t* tile = values + ((j / KEY_BLOCK) * value_chunks + c) * 512 + (j % KEY_BLOCK) / 2 * 32 + j % 2;
+      for (int64_t e = 0; e < 16; ++e) tile[2 * e] = real ? value[16 * c + e] : 0;
+    }
+  }
+}
+
+// GCC's tile intrinsics take literal tile numbers (they become register names), so the two
+// block steps below are macros, each used with two sets of tiles that alternate between blocks.
+
+// Scores of one query tile (its 32-dim chunks in tiles 2-5) over a block of 32 keys: keys 0-15
+// into tile S0, 16-31 into S1, stored to dst (row stride in bytes).
+#define KVROUTE_SCORE_BLOCK(S0, S1, tile, key_chunks, dst, stride) \
+  do {                                                             \
+    const uint32_t* upper_ = (tile) + (key_chunks) * 256;          \
+    _tile_zero(S0);                                                \
+    _tile_zero(S1);                                                \
+    for (int64_t c_ = 0; c_ < (key_chunks); ++c_) {                \
+      _tile_loadd(6, (tile) + c_ * 256, 64);                       \
+      _tile_loadd(7, upper_ + c_ * 256, 64);                       \
+      switch (c_) {                                                \
+        case 0: _tile_dpbf16ps(S0, 2, 6); _tile_dpbf16ps(S1, 2, 7); break; \
+        case 1: _tile_dpbf16ps(S0, 3, 6); _tile_dpbf16ps(S1, 3, 7); break; \
+        case 2: _tile_dpbf16ps(S0, 4, 6); _tile_dpbf16ps(S1, 4, 7); break; \
+        default: _tile_dpbf16ps(S0, 5, 6); _tile_dpbf16ps(S1, 5, 7); break; \
+      }                                                            \
+    }                                                              \
+    _tile_stored(S0, (dst), (stride));                             \
+    _tile_stored(S1, (dst) + 16, (stride));                        \
+  } while (0)
+
+// P V for one block of 32 keys into the output tiles 0-3 (``chunks`` of 16 dims): the block's
+// weights loaded into tile P, its value tiles into V in turn.
+#define KVROUTE_VALUE_BLOCK(P, V, weights, stride, tile, chunks) \
+  do {                                                           \
+    _tile_loadd(P, (weights), (stride));                         \
+    for (int64_t c_ = 0; c_ < (chunks); ++c_) {                  \
+      _tile_loadd(V, (tile) + c_ * 512, 64);                     \
+      switch (c_) {                                              \
+        case 0: _tile_dpbf16ps(0, P, V); break;                  \
+        case 1: _tile_dpbf16ps(1, P, V); break;                  \
+        case 2: _tile_dpbf16ps(2, P, V); break;                  \
+        default: _tile_dpbf16ps(3, P, V); break;                 \
+      }                                                          \
+    }                                                            \
+  } while (0)
+
+// Sixteen query rows against the keys they see, in three passes with exact row maxima (no
+// running rescale): every score of the rows (tiles Q K^T, stored), their softmax (AVX-512), then
+// P V accumulated in tiles 0-3, sixty-four output dims at a time. ``scores`` and ``weights`` hold
+// 16 x (visible keys rounded up to 32).
+void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint32_t* keys, const uint16_t* values,
+                 const ExtendShape& s, float* scores, uint16_t* weights, uint16_t* out, int64_t out_stride) {
+  const int64_t offset = s.context - s.length, key_chunks = s.dim / 32, value_chunks = s.dim / 16;
+  const int64_t blocks = (offset + first + rows - 1) / KEY_BLOCK + 1, width = blocks * KEY_BLOCK;
+  // The query's 32-dim chunks stay in tiles 2-5 (head sizes up to 128), scores of 32 keys in 0-1
+  // (and, up to 64 dims, the next 32 keys' in 4-5 meanwhile).
+  _tile_loadd(2, query, s.dim * 2);
+  if (key_chunks > 1) _tile_loadd(3, query + 32, s.dim * 2);
+  if (key_chunks > 2) _tile_loadd(4, query + 64, s.dim * 2);
+  if (key_chunks > 3) _tile_loadd(5, query + 96, s.dim * 2);
+  for (int64_t block = 0; block < blocks; ++block) {
+    const uint32_t* tile = keys + 2 * block * key_chunks * 256;
+    float* dst = scores + block * KEY_BLOCK;
+    if (key_chunks <= 2 && block % 2 == 1) {
+      KVROUTE_SCORE_BLOCK(4, 5, tile, key_chunks, dst, width * 4);
+    } else {
+      KVROUTE_SCORE_BLOCK(0, 1, tile, key_chunks, dst, width * 4);
+    }
+  }
+  // Scores go to base 2 with the scale folded in: p = 2^(t - max t), t = score * scale * log2(e).
+  const __m512 scale = _mm512_set1_ps(s.scale * 1.44269504088896341f), minus_inf = _mm512_set1_ps(-INFINITY);
+  float total[QUERY_TILE];
+  for (int64_t r = 0; r < QUERY_TILE; ++r) {
+    const int64_t visible = r < rows ? offset + first + r + 1 : 0;
+    float* row = scores + r * width;
+    __m512 top = minus_inf;
+    for (int64_t k = 0; k < width; k += 16) {
+      const __mmask16 seen = visible - k >= 16 ? 0xFFFF : visible > k ? static_cast<__mmask16>((1u << (visible - k)) - 1) : 0;
+      const __m512 v = _mm512_mask_mov_ps(minus_inf, seen, _mm512_mul_ps(_mm512_load_ps(row + k), scale));
+      _mm512_store_ps(row + k, v);
+      top = _mm512_max_ps(top, v);
+    }
+    const __m512 shift = _mm512_set1_ps(visible > 0 ? _mm512_reduce_max_ps(top) : 0.0f);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < width; k += 32) {
+      const __mmask16 low = visible - k >= 16 ? 0xFFFF : visible > k ? static_cast<__mmask16>((1u << (visible - k)) - 1) : 0;
+      const __mmask16 high = visible - k >= 32 ? 0xFFFF : visible > k + 16 ? static_cast<__mmask16>((1u << (visible - k - 16)) - 1) : 0;
+      const __m512 p0 = _mm512_maskz_mov_ps(low, exp2_16(_mm512_sub_ps(_mm512_load_ps(row + k), shift)));
+      const __m512 p1 = _mm512_maskz_mov_ps(high, exp2_16(_mm512_sub_ps(_mm512_load_ps(row + k + 16), shift)));
+      sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+      _mm512_store_si512(weights + r * width + k, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(p1, p0)));
+    }
+    total[r] = _mm512_reduce_add_ps(sum);
+  }
+  alignas(64) float sums[QUERY_TILE * 64];
+  for (int64_t c0 = 0; c0 < value_chunks; c0 += 4) {
+    const int64_t chunks = value_chunks - c0 < 4 ? value_chunks - c0 : 4;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t block = 0; block < blocks; ++block) {
+      const uint16_t* tile = values + (block * value_chunks + c0) * 512;
+      if (block % 2 == 0) {
+        KVROUTE_VALUE_BLOCK(4, 5, weights + block * KEY_BLOCK, width * 2, tile, chunks);
+      } else {
+        KVROUTE_VALUE_BLOCK(7, 6, weights + block * KEY_BLOCK, width * 2, tile, chunks);
+      }
+    }
+    _tile_stored(0, sums, 256);
+    _tile_stored(1, sums + 16, 256);
+    _tile_stored(2, sums + 32, 256);
+    _tile_stored(3, sums + 48, 256);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float inv = 1.0f / total[r];
+      uint16_t* dst = out + (first + r) * out_stride + 16 * c0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 v = _mm512_mul_ps(_mm512_load_ps(sums + r * 64 + 16 * c), _mm512_set1_ps(inv));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + 16 * c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+      }
+    }
+  }
+}
+
+// q [tokens, heads, dim] (tokens q_stride apart), out [tokens, heads, dim]; chunk c's queries are
+// tokens starts[c] .. + length, its context pages page_table[c] (width each).
+void extend_attention(const uint16_t* q, const uint16_t* kv, const int64_t* page_table, const int64_t* starts,
+                      uint16_t* out, const ExtendShape& s, int threads) {
+  const int64_t group = s.heads / s.kv_heads, tiles = (s.length + QUERY_TILE - 1) / QUERY_TILE;
+  const int64_t blocks = (s.context + KEY_BLOCK - 1) / KEY_BLOCK, packed = blocks * KEY_BLOCK * s.dim;
+  uint32_t* keys = new uint32_t[s.count * s.kv_heads * packed / 2];
+  uint16_t* values = new uint16_t[s.count * s.kv_heads * packed];
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < s.count * s.kv_heads * blocks; ++item) {
+      const int64_t task = item / blocks;
+      pack_block(kv, page_table + (task / s.kv_heads) * s.width, task % s.kv_heads, item % blocks, s,
+                 keys + task * packed / 2, values + task * packed);
+    }
+    TileConfig config;
+    for (int t = 0; t < 8; ++t) {
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    // 64-byte aligned (AVX-512 aligned loads); sizes are multiples of 64 bytes.
+    float* scores = static_cast<float*>(std::aligned_alloc(64, QUERY_TILE * blocks * KEY_BLOCK * 4));
+    uint16_t* weights = static_cast<uint16_t*>(std::aligned_alloc(64, QUERY_TILE * blocks * KEY_BLOCK * 2));
+    alignas(64) uint16_t query[QUERY_TILE * 128] = {};
+#pragma omp for schedule(dynamic)
+    for (int64_t task = 0; task < s.count * s.heads * tiles; ++task) {
+      const int64_t c = task / (s.heads * tiles), head = task / tiles % s.heads, first = task % tiles * QUERY_TILE;
+      const int64_t context_task = c * s.kv_heads + head / group;
+      const int64_t rows = s.length - first < QUERY_TILE ? s.length - first : QUERY_TILE;
+      const uint16_t* q_rows = q + (starts[c] + first) * s.q_stride + head * s.dim;
+      for (int64_t r = 0; r < QUERY_TILE; ++r) {
+        for (int64_t i = 0; i < s.dim; ++i) query[r * s.dim + i] = r < rows ? q_rows[r * s.q_stride + i] : 0;
+      }
+      extend_rows(query, rows, first, keys + context_task * packed / 2, values + context_task * packed, s, scores,
+                  weights, out + (starts[c] * s.heads + head) * s.dim, s.heads * s.dim);
+    }
+    std::free(scores);
+    std::free(weights);
+    _tile_release();
+  }
+  delete[] keys;
+  delete[] values;
+}
+#endif
 
 }  // namespace
 
@@ -247,12 +584,42 @@ extern "C" {
                                  const int64_t* lengths, void* out, int64_t decodes, int64_t heads, \
                                  int64_t kv_heads, int64_t dim, int64_t pages, int64_t page_size,  \
                                  int64_t width, int64_t q_stride, float scale, int threads) {      \
+    const DecodeShape shape{heads, kv_heads, dim, pages, page_size, width, q_stride, scale};       \
     decode_attention<D>(static_cast<const D::T*>(q), static_cast<const D::T*>(kv), page_table,     \
-                        lengths, static_cast<D::T*>(out), decodes, heads, kv_heads, dim, pages,    \
-                        page_size, width, q_stride, scale, threads);                               \
+                        lengths, static_cast<D::T*>(out), decodes, shape, threads);                \
   }
 
 KVROUTE_EXPORT(f32, Fp32)
 KVROUTE_EXPORT(bf16, Bf16)
+
+// Whether extend_attention_bf16 runs for this head size: built with AMX, tiles permitted.
+int extend_attention_supported(int64_t dim) {
+#if defined(KVROUTE_AMX)
+  return dim % 32 == 0 && dim <= 128 && amx_permitted();
+#else
+  (void)dim;
+  return 0;
+#endif
+}
+
+// Prefill attention on AMX tiles (bf16, head sizes a multiple of 32 up to 128): returns 0 where
+// this build or the kernel cannot run it (no AMX, no permission for the tiles, another head size),
+// having written nothing; the caller then uses SDPA.
+int extend_attention_bf16(const void* q, const void* kv, const int64_t* page_table, const int64_t* starts, void* out,
+                          int64_t count, int64_t length, int64_t context, int64_t heads, int64_t kv_heads, int64_t dim,
+                          int64_t pages, int64_t page_size, int64_t width, int64_t q_stride, float scale, int threads) {
+#if defined(KVROUTE_AMX)
+  if (dim % 32 != 0 || dim > 128 || !amx_permitted()) return 0;
+  const ExtendShape shape{count, length, context, heads, kv_heads, dim, pages, page_size, width, q_stride, scale};
+  extend_attention(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv), page_table, starts,
+                   static_cast<uint16_t*>(out), shape, threads);
+  return 1;
+#else
+  (void)q, (void)kv, (void)page_table, (void)starts, (void)out, (void)count, (void)length, (void)context;
+  (void)heads, (void)kv_heads, (void)dim, (void)pages, (void)page_size, (void)width, (void)q_stride, (void)scale;
+  (void)threads;
+  return 0;
+#endif
+}
 
 }  // extern "C"

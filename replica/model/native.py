@@ -38,6 +38,11 @@ _SIGNATURES = {
     "decode_attention": [_VOID, _VOID, _VOID, _VOID, _VOID, *[_INT64] * 8, _FLOAT, _INT],
 }
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# Entry points for one dtype only, with an int result (0: not run here).
+_SINGLE = {
+    "extend_attention_supported": [_INT64],
+    "extend_attention_bf16": [_VOID, _VOID, _VOID, _VOID, _VOID, *[_INT64] * 10, _FLOAT, _INT],
+}
 
 
 @functools.cache
@@ -59,6 +64,9 @@ def kernels() -> ctypes.CDLL | None:
         for suffix in SUFFIXES.values():
             entry = getattr(library, f"{name}_{suffix}")
             entry.argtypes, entry.restype = argtypes, None
+    for name, argtypes in _SINGLE.items():
+        entry = getattr(library, name)
+        entry.argtypes, entry.restype = argtypes, _INT
     return library
 
 

@@ -124,6 +124,57 @@ def decode_attention(
     )
 
 
+def native_prefill_attention(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
+    """Whether :func:`extend_attention` runs here: bf16 on a CPU with AMX tiles, the kernels built
+    for them, a head size they take."""
+    library = kernels() if torch.device(device).type == "cpu" and dtype == torch.bfloat16 else None
+    return library is not None and bool(library.extend_attention_supported(head_dim))
+
+
+def extend_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    starts: torch.Tensor,
+    length: int,
+    context: int,
+    out: torch.Tensor,
+) -> None:
+    """Causal attention of ``len(starts)`` chunks of ``length`` queries (chunk c's are q's rows
+    starts[c] ..), each the tail of a ``context``-key context read from the pool's pages
+    page_table[c] (its own K/V already written there), into the same rows of ``out``.
+
+    q [tokens, heads, dim] (rows may be strided, as in :func:`decode_attention`), out contiguous;
+    page_table [chunks, width] and starts [chunks], int64. Only where
+    :func:`native_prefill_attention` holds."""
+    library = kernels()
+    assert library is not None and q.dtype == out.dtype == kv_cache.dtype == torch.bfloat16
+    assert q.stride(2) == 1 and q.stride(1) == q.shape[2] and out.is_contiguous() and kv_cache.is_contiguous()
+    assert page_table.is_contiguous() and starts.is_contiguous() and page_table.shape[0] == starts.shape[0]
+    _, heads, dim = q.shape
+    _, kv_heads, pages, page_size, _ = kv_cache.shape
+    ran = library.extend_attention_bf16(
+        q.data_ptr(),
+        kv_cache.data_ptr(),
+        page_table.data_ptr(),
+        starts.data_ptr(),
+        out.data_ptr(),
+        starts.shape[0],
+        length,
+        context,
+        heads,
+        kv_heads,
+        dim,
+        pages,
+        page_size,
+        page_table.shape[1],
+        q.stride(0),
+        dim**-0.5,
+        torch.get_num_threads(),
+    )
+    assert ran, "extend_attention called where native_prefill_attention does not hold"
+
+
 def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' RMSNorm: normalise in fp32, round to the model dtype, then scale.
 

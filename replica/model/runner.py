@@ -17,7 +17,7 @@ from replica.model.attention import AttentionBatch, PrefillGroup, decode_bias
 from replica.model.config import ModelConfig
 from replica.model.decode_context import DecodeContext
 from replica.model.decoder import DecoderLM
-from replica.model.ops import native_decode_attention
+from replica.model.ops import native_decode_attention, native_prefill_attention
 from replica.model.sampler import sample
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -52,6 +52,7 @@ class ModelRunner:
         self._decode_context = DecodeContext(model.config.num_layers, decode_context_bytes)
         # The native kernel reads decodes' K/V from the pool's pages: no context to gather or carry.
         self._native_decode = native_decode_attention(model.dtype, device)
+        self._native_prefill = native_prefill_attention(model.dtype, device, model.config.head_dim)
 
     @classmethod
     def load(cls, config: EngineConfig, model_config: ModelConfig) -> ModelRunner:
@@ -163,8 +164,13 @@ class ModelRunner:
 
     def _prefill_group(self, length: int, context: int, chunks: list[tuple[int, list[int]]]) -> PrefillGroup:
         """Chunks of one shape, as (flat offset, context pages) each, and their index tensors; the
-        pages only where the chunks have earlier context to read back from the pool."""
+        pages only where the chunks have earlier context to read back from the pool, or where the
+        native kernel reads every context from the pool."""
         starts = [start for start, _ in chunks]
+        if self._native_prefill:
+            pages = torch.tensor([page for _, table in chunks for page in table], device=self.device)
+            offsets = torch.tensor(starts, device=self.device)
+            return PrefillGroup(starts, length, context, None, pages, offsets)
         rows = None
         if len(chunks) > 1:
             rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).flatten().to(self.device)

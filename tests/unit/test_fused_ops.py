@@ -192,14 +192,22 @@ def paged_decode(
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decode_attention_reads_the_pages_as_the_gathered_form(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head_dim", [16, HEAD_DIM, 80])
+@pytest.mark.parametrize("portable", [False, True])
+def test_decode_attention_reads_the_pages_as_the_gathered_form(
+    dtype: torch.dtype, head_dim: int, portable: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Sequences of different lengths over scattered pages, padded page tables: the kernel's
     attention equals the batched matmuls' (fp32 to rounding, bf16 within a unit of its last place),
-    and a sequence's rows are the same alone as beside others."""
+    and a sequence's rows are the same alone as beside others. Head sizes the AVX-512 form takes
+    (16, 64) and one it leaves to the portable loops (80); ``portable`` builds without that form,
+    so its loops are checked on AVX-512 hosts too."""
+    if portable:
+        monkeypatch.setattr(native, "FLAGS", (*native.FLAGS, "-DKVROUTE_PORTABLE"))
     needs_kernels()
     generator = torch.Generator().manual_seed(1)
     kv_heads, heads, page_size, pages = 3, 9, 16, 64
-    kv_cache = torch.randn(2, kv_heads, pages, page_size, HEAD_DIM, generator=generator).to(dtype)
+    kv_cache = torch.randn(2, kv_heads, pages, page_size, head_dim, generator=generator).to(dtype)
     lengths = [1, 16, 17, 200, 45]
     order = torch.randperm(pages, generator=generator).tolist()
     tables, used = [], 0
@@ -207,7 +215,7 @@ def test_decode_attention_reads_the_pages_as_the_gathered_form(dtype: torch.dtyp
         count = -(-n // page_size)
         tables.append(order[used : used + count])
         used += count
-    q = torch.randn(len(lengths), heads + 2 * kv_heads, HEAD_DIM, generator=generator).to(dtype)[:, :heads]
+    q = torch.randn(len(lengths), heads + 2 * kv_heads, head_dim, generator=generator).to(dtype)[:, :heads]
     fused = paged_decode(True, q, kv_cache, tables, lengths)
     eager = paged_decode(False, q, kv_cache, tables, lengths)
     if dtype == torch.bfloat16:
