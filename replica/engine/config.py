@@ -68,6 +68,12 @@ class EngineConfig:
     max_num_seqs: int = option(64, "--max-num-seqs", "sequences decoded together at most")
     # per step: prefill chunks and decodes
     max_num_batched_tokens: int = option(512, "--max-num-batched-tokens", "per-step token budget")
+    max_prefill_step_tokens: int = option(
+        1024,
+        "--max-prefill-step-tokens",
+        "per-step token budget while more prompts wait for their first token than streams for "
+        "their next (a burst); at least --max-num-batched-tokens",
+    )
     # the model's: its max_position_embeddings
     max_model_len: int | None = option(None, "--max-model-len", "context window (default: the model's)")
     seed: int = option(0, "--seed", "seeds requests that bring no seed")

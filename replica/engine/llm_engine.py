@@ -115,7 +115,9 @@ class LLMEngine:
         self.block_seed = model_seed(self.served_model_name, self.tokenizer.fingerprint)
         self.cache = RadixCache(self.pool, self.block_seed, outbox)
         self.kv = KVManager(self.pool, self.cache)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, config.max_prefill_step_tokens
+        )
         self.max_model_len = min(
             config.max_model_len or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,

@@ -1,4 +1,5 @@
-"""Continuous batching with chunked prefill under a per-step token budget.
+"""Continuous batching with chunked prefill under a per-step token budget (a larger one while more
+prompts wait for their first token than streams for their next: a burst).
 
 Each step: every running decode gets its one token first (so a long prompt never stalls them),
 then waiting sequences whose whole uncached tail fits in the rest of the budget less one page
@@ -56,10 +57,13 @@ def _running_prefill(seq: Sequence) -> int:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, max_prefill_step_tokens: int = 0
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
+        self.prefill_step_budget = max(max_num_batched_tokens, max_prefill_step_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the first to preempt
         self.num_preemptions = 0
@@ -106,6 +110,8 @@ class Scheduler:
         while True:
             batch = ScheduledBatch()
             budget = self._schedule_decodes(batch, self.token_budget)
+            if self._burst(len(batch.decodes)):
+                budget += self.prefill_step_budget - self.token_budget
             # Requests whose whole uncached tail fits in this step (cache hits, short prompts) go
             # before the next chunk of a long prefill: a hit would otherwise wait out the long one.
             # One page of the step stays for prefills under way, so a stream of hits cannot
@@ -127,6 +133,14 @@ class Scheduler:
             # so the others can move (one sequence alone always fits: the context window is capped
             # by the pool).
             self._preempt(self.running[-1])
+
+    def _burst(self, decodes: int) -> bool:
+        """More prompts wait for their first token than streams for their next, two at least:
+        such a step takes the larger budget, so a burst goes in fewer, larger steps (each reads
+        the weights once) while few streams wait on it. A prompt alone keeps the short step,
+        which is all that a request arriving meanwhile (a chat's next turn) then waits out."""
+        prefilling = len(self.waiting) + sum(seq.num_uncomputed > 1 for seq in self.running)
+        return prefilling > max(1, decodes)
 
     def _prefill_under_way(self) -> bool:
         return any(seq.num_uncomputed > 1 for seq in self.running)

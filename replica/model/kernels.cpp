@@ -16,12 +16,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 // KVROUTE_PORTABLE keeps the AVX-512 forms out, so tests run the portable loops on any CPU.
 #if defined(__AVX512F__) && !defined(KVROUTE_PORTABLE)
 #define KVROUTE_AVX512 1
 #include <immintrin.h>
 #endif
-#if defined(KVROUTE_AVX512) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(KVROUTE_AVX512) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define KVROUTE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -166,11 +167,29 @@ struct DecodeShape {
   float scale;
 };
 
-// Where the key (or value, with ``base`` the pool's value half) of context position j lies.
-template <class T, class Shape>
-inline const T* kv_row(const T* base, const int64_t* table, int64_t head, int64_t j, const Shape& s) {
-  return base + head * s.pages * s.page_size * s.dim + (table[j / s.page_size] * s.page_size + j % s.page_size) * s.dim;
-}
+// A context's key (or value, from ``base`` the pool's value half) rows in order, page by page:
+// one division to start, none per row (a row's page and offset by division cost more than
+// reading it).
+template <class T>
+class ContextRows {
+ public:
+  template <class Shape>
+  ContextRows(const T* base, const int64_t* table, int64_t head, int64_t first, const Shape& s)
+      : head_(base + head * s.pages * s.page_size * s.dim), table_(table), page_size_(s.page_size),
+        dim_(s.dim), page_(first / s.page_size), offset_(first % s.page_size) {}
+  const T* row() const { return head_ + (table_[page_] * page_size_ + offset_) * dim_; }
+  void next() {
+    if (++offset_ == page_size_) {
+      offset_ = 0;
+      ++page_;
+    }
+  }
+
+ private:
+  const T* head_;
+  const int64_t* table_;
+  int64_t page_size_, dim_, page_, offset_;
+};
 
 // The scaled scores of ``group`` query heads over ``length`` keys into scores [group, length]:
 // any CPU, any head size.
@@ -180,8 +199,9 @@ void decode_scores(const typename D::T* q, const typename D::T* kv, const int64_
   for (int64_t g = 0; g < group; ++g) {
     for (int64_t i = 0; i < s.dim; ++i) query[g * s.dim + i] = D::load(q[g * s.dim + i]);
   }
-  for (int64_t j = 0; j < length; ++j) {
-    const typename D::T* key = kv_row(kv, table, h, j, s);
+  ContextRows<typename D::T> keys(kv, table, h, 0, s);
+  for (int64_t j = 0; j < length; ++j, keys.next()) {
+    const typename D::T* key = keys.row();
     for (int64_t g = 0; g < group; ++g) {
       const float* qg = query + g * s.dim;
       float dot = 0.0f;
@@ -197,8 +217,9 @@ template <class D>
 void decode_values(const float* weights, const typename D::T* values, const int64_t* table, int64_t h,
                    int64_t length, int64_t group, const DecodeShape& s, float* acc) {
   for (int64_t i = 0; i < group * s.dim; ++i) acc[i] = 0.0f;
-  for (int64_t j = 0; j < length; ++j) {
-    const typename D::T* value = kv_row(values, table, h, j, s);
+  ContextRows<typename D::T> rows(values, table, h, 0, s);
+  for (int64_t j = 0; j < length; ++j, rows.next()) {
+    const typename D::T* value = rows.row();
     for (int64_t g = 0; g < group; ++g) {
       const float weight = weights[g * length + j];
       float* a = acc + g * s.dim;
@@ -238,8 +259,9 @@ void decode_scores16(const typename D::T* q, const typename D::T* kv, const int6
   for (int64_t g = 0; g < group; ++g) {
     __m512 query[C];
     for (int c = 0; c < C; ++c) query[c] = load16(q + g * s.dim + 16 * c);
-    for (int64_t j = 0; j < length; ++j) {
-      const typename D::T* key = kv_row(kv, table, h, j, s);
+    ContextRows<typename D::T> keys(kv, table, h, 0, s);
+    for (int64_t j = 0; j < length; ++j, keys.next()) {
+      const typename D::T* key = keys.row();
       __m512 dot = _mm512_mul_ps(query[0], load16(key));
       for (int c = 1; c < C; ++c) dot = _mm512_fmadd_ps(query[c], load16(key + 16 * c), dot);
       scores[g * length + j] = _mm512_reduce_add_ps(dot);
@@ -254,8 +276,9 @@ void decode_values16(const float* weights, const typename D::T* values, const in
     __m512 sum[C];
     for (int c = 0; c < C; ++c) sum[c] = _mm512_setzero_ps();
     const float* w = weights + g * length;
-    for (int64_t j = 0; j < length; ++j) {
-      const typename D::T* value = kv_row(values, table, h, j, s);
+    ContextRows<typename D::T> rows(values, table, h, 0, s);
+    for (int64_t j = 0; j < length; ++j, rows.next()) {
+      const typename D::T* value = rows.row();
       const __m512 weight = _mm512_set1_ps(w[j]);
       for (int c = 0; c < C; ++c) sum[c] = _mm512_fmadd_ps(weight, load16(value + 16 * c), sum[c]);
     }
@@ -362,28 +385,71 @@ bool amx_permitted() {
   return permitted;
 }
 
+// r[i] (row i of a 16 x 16 matrix of 32-bit elements) becomes column i.
+inline void transpose16(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {  // lane l of t[i], t[i + 1]: elements 4l, 4l + 1 / 4l + 2, 4l + 3 of two rows
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // lane l of r[i + j]: element 4l + j of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {  // then the four lanes holding one element come together
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+      t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+  }
+}
+
 // Block ``block`` (32 keys) of one chunk and KV head's keys as B tiles of Q K^T (16 keys x 32
-// dims, pairs of dims side by side: [block][dim / 32][16][16] u32) and values as B tiles of P V (32 keys x 16 dims, pairs of
-// keys side by side: [block of 32][dim / 16][16][32] u16); zero past the context.
+// dims, pairs of dims side by side: [block][dim / 32][16][16] u32, the transpose of 16 keys' rows
+// read as u32 pairs) and values as B tiles of P V (32 keys x 16 dims, pairs of keys side by side:
+// [block of 32][dim / 16][16][32] u16, two keys' rows interleaved); zero past the context.
 void pack_block(const uint16_t* kv, const int64_t* table, int64_t h, int64_t block, const ExtendShape& s,
                 uint32_t* keys, uint16_t* values) {
   const uint16_t* value_half = kv + s.kv_heads * s.pages * s.page_size * s.dim;
   const int64_t key_chunks = s.dim / 32, value_chunks = s.dim / 16;
-  for (int64_t j = block * KEY_BLOCK; j < (block + 1) * KEY_BLOCK; ++j) {
-    const bool real = j < s.context;
-    const uint16_t* key = real ? kv_row(kv, table, h, j, s) : nullptr;
-    const uint16_t* value = real ? kv_row(value_half, table, h, j, s) : nullptr;
+  const uint16_t* key[KEY_BLOCK];
+  const uint16_t* value[KEY_BLOCK];
+  ContextRows<uint16_t> key_rows(kv, table, h, block * KEY_BLOCK, s), value_rows(value_half, table, h, block * KEY_BLOCK, s);
+  for (int64_t i = 0; i < KEY_BLOCK; ++i, key_rows.next(), value_rows.next()) {
+    const bool real = block * KEY_BLOCK + i < s.context;
+    key[i] = real ? key_rows.row() : nullptr;
+    value[i] = real ? value_rows.row() : nullptr;
+  }
+  for (int64_t half = 0; half < 2; ++half) {
     for (int64_t c = 0; c < key_chunks; ++c) {
-      uint32_t* tile = keys + ((j / 16) * key_chunks + c) * 256 + j % 16;
-      for (int64_t pair = 0; pair < 16; ++pair) {
-        uint32_t bits = 0;
-        if (real) bits = static_cast<uint32_t>(key[32 * c + 2 * pair]) | static_cast<uint32_t>(key[32 * c + 2 * pair + 1]) << 16;
-        tile[pair * 16] = bits;
+      __m512i rows[16];
+      for (int64_t n = 0; n < 16; ++n) {
+        const uint16_t* row = key[16 * half + n];
+        rows[n] = row ? _mm512_loadu_si512(row + 32 * c) : _mm512_setzero_si512();
       }
+      transpose16(rows);
+      uint32_t* tile = keys + ((2 * block + half) * key_chunks + c) * 256;
+      for (int64_t pair = 0; pair < 16; ++pair) _mm512_storeu_si512(tile + pair * 16, rows[pair]);
     }
+  }
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7,
+                                              22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t i = 0; i < KEY_BLOCK; i += 2) {
     for (int64_t c = 0; c < value_chunks; ++c) {
-      uint16_t* tile = values + ((j / KEY_BLOCK) * value_chunks + c) * 512 + (j % KEY_BLOCK) / 2 * 32 + j % 2;
-      for (int64_t e = 0; e < 16; ++e) tile[2 * e] = real ? value[16 * c + e] : 0;
+      const __m256i first = value[i] ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(value[i] + 16 * c))
+                                     : _mm256_setzero_si256();
+      const __m256i second = value[i + 1]
+                                 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(value[i + 1] + 16 * c))
+                                 : _mm256_setzero_si256();
+      const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+      _mm512_storeu_si512(values + (block * value_chunks + c) * 512 + i / 2 * 32,
+                          _mm512_permutexvar_epi16(interleave, both));
     }
   }
 }
@@ -454,8 +520,8 @@ void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint3
   // Scores go to base 2 with the scale folded in: p = 2^(t - max t), t = score * scale * log2(e).
   const __m512 scale = _mm512_set1_ps(s.scale * 1.44269504088896341f), minus_inf = _mm512_set1_ps(-INFINITY);
   float total[QUERY_TILE];
-  for (int64_t r = 0; r < QUERY_TILE; ++r) {
-    const int64_t visible = r < rows ? offset + first + r + 1 : 0;
+  for (int64_t r = 0; r < rows; ++r) {  // rows past ``rows`` give output rows nobody reads
+    const int64_t visible = offset + first + r + 1;
     float* row = scores + r * width;
     __m512 top = minus_inf;
     for (int64_t k = 0; k < width; k += 16) {
@@ -506,14 +572,27 @@ void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint3
   }
 }
 
+// The calling thread's scratch buffer ``slot``, 64-byte aligned, at least ``bytes`` long: kept
+// from call to call (fresh megabytes every layer cost more in page faults than the packing).
+uint8_t* scratch(int slot, int64_t bytes) {
+  thread_local std::unique_ptr<uint8_t[]> buffers[4];
+  thread_local int64_t sizes[4] = {};
+  if (sizes[slot] < bytes + 64) {
+    sizes[slot] = bytes + 64 + bytes / 2;
+    buffers[slot].reset(new uint8_t[sizes[slot]]);
+  }
+  const uintptr_t at = reinterpret_cast<uintptr_t>(buffers[slot].get());
+  return buffers[slot].get() + ((64 - at % 64) % 64);
+}
+
 // q [tokens, heads, dim] (tokens q_stride apart), out [tokens, heads, dim]; chunk c's queries are
 // tokens starts[c] .. + length, its context pages page_table[c] (width each).
 void extend_attention(const uint16_t* q, const uint16_t* kv, const int64_t* page_table, const int64_t* starts,
                       uint16_t* out, const ExtendShape& s, int threads) {
   const int64_t group = s.heads / s.kv_heads, tiles = (s.length + QUERY_TILE - 1) / QUERY_TILE;
   const int64_t blocks = (s.context + KEY_BLOCK - 1) / KEY_BLOCK, packed = blocks * KEY_BLOCK * s.dim;
-  uint32_t* keys = new uint32_t[s.count * s.kv_heads * packed / 2];
-  uint16_t* values = new uint16_t[s.count * s.kv_heads * packed];
+  uint32_t* keys = reinterpret_cast<uint32_t*>(scratch(0, s.count * s.kv_heads * packed * 2));
+  uint16_t* values = reinterpret_cast<uint16_t*>(scratch(1, s.count * s.kv_heads * packed * 2));
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
 #pragma omp for schedule(static)
@@ -529,8 +608,8 @@ void extend_attention(const uint16_t* q, const uint16_t* kv, const int64_t* page
     }
     _tile_loadconfig(&config);
     // 64-byte aligned (AVX-512 aligned loads); sizes are multiples of 64 bytes.
-    float* scores = static_cast<float*>(std::aligned_alloc(64, QUERY_TILE * blocks * KEY_BLOCK * 4));
-    uint16_t* weights = static_cast<uint16_t*>(std::aligned_alloc(64, QUERY_TILE * blocks * KEY_BLOCK * 2));
+    float* scores = reinterpret_cast<float*>(scratch(2, QUERY_TILE * blocks * KEY_BLOCK * 4));
+    uint16_t* weights = reinterpret_cast<uint16_t*>(scratch(3, QUERY_TILE * blocks * KEY_BLOCK * 2));
     alignas(64) uint16_t query[QUERY_TILE * 128] = {};
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < s.count * s.heads * tiles; ++task) {
@@ -544,12 +623,8 @@ void extend_attention(const uint16_t* q, const uint16_t* kv, const int64_t* page
       extend_rows(query, rows, first, keys + context_task * packed / 2, values + context_task * packed, s, scores,
                   weights, out + (starts[c] * s.heads + head) * s.dim, s.heads * s.dim);
     }
-    std::free(scores);
-    std::free(weights);
     _tile_release();
   }
-  delete[] keys;
-  delete[] values;
 }
 #endif
 

@@ -93,9 +93,12 @@ def test_queued_load_counts_only_the_uncached_tail(engine: LLMEngine) -> None:
 def cold_prefill_under_way(
     make_engine: EngineFactory, seed: int, cold_tokens: int, max_num_seqs: int, budget: int = 64
 ) -> tuple[LLMEngine, list[int]]:
-    """A ``budget``-token-budget engine holding a cached 100-token prompt (returned) and running
-    the first chunk of a cold prompt, request "cold"."""
-    engine = make_engine(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs)
+    """A ``budget``-token-budget engine (in every step: the larger budget of steps without
+    decodes is the same) holding a cached 100-token prompt (returned) and running the first
+    chunk of a cold prompt, request "cold"."""
+    engine = make_engine(
+        max_num_batched_tokens=budget, max_prefill_step_tokens=budget, max_num_seqs=max_num_seqs
+    )
     prompt = random_prompt(100, seed=seed)
     engine.add_request("warm-up", prompt, ONE_TOKEN)
     run_all(engine)
@@ -163,6 +166,33 @@ def test_a_stream_of_cache_hits_cannot_starve_a_long_prefill(make_engine: Engine
             engine.add_request(f"hit-{i}-{j}", [*prompt[:96], *tail], ONE_TOKEN)
         engine.step()
         assert cold.num_computed - before >= 16, "the cold prompt made no progress this step"
+    run_all(engine)
+    engine.check_integrity()
+
+
+def test_a_burst_takes_the_larger_prefill_budget(make_engine: EngineFactory) -> None:
+    """While more prompts wait for a first token than streams for a next one (two at least), steps
+    take --max-prefill-step-tokens; a prompt alone, or as many prompts as decodes, keep
+    --max-num-batched-tokens."""
+    engine = make_engine(max_num_batched_tokens=64, max_prefill_step_tokens=256)
+    engine.add_request("alone", random_prompt(600, seed=80), GREEDY)
+    alone = engine.scheduler.waiting[0]
+    engine.step()
+    assert alone.num_computed == 64, "a prompt alone took the burst budget"
+    run_all(engine)
+    engine.add_request("first", random_prompt(200, seed=81), GREEDY)
+    engine.add_request("second", random_prompt(200, seed=82), GREEDY)
+    first, second = engine.scheduler.waiting
+    engine.step()
+    assert (first.num_computed, second.num_computed) == (200, 56)
+    engine.step()  # one decode, one prompt: the short budget, less the decode's token
+    assert second.num_computed == 56 + 64 - 1
+    engine.step()  # second's last tokens
+    for i in range(3):
+        engine.add_request(f"more-{i}", random_prompt(100, seed=83 + i), GREEDY)
+    more = list(engine.scheduler.waiting)
+    engine.step()  # two decodes, three prompts: a burst
+    assert sum(seq.num_computed for seq in more) > 2 * 100, "the burst's step kept the short budget"
     run_all(engine)
     engine.check_integrity()
 

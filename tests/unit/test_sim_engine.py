@@ -233,7 +233,9 @@ class ShapeRecorder:
 def test_step_times_follow_the_profile(llama_dir: Path, tmp_path: Path) -> None:
     """A whole engine step lasts the profile's prediction for its shape, plus a little overhead:
     a long prefill, a batch admitted together, their decodes, and mixed steps in between."""
-    engine = sim_engine(llama_dir, write_profile(tmp_path), max_num_batched_tokens=256)
+    engine = sim_engine(
+        llama_dir, write_profile(tmp_path), max_num_batched_tokens=256, max_prefill_step_tokens=256
+    )
     recorder = ShapeRecorder(engine.runner)
     engine.runner = recorder
     profile = SimProfile.from_dict(SLOW)
