@@ -118,6 +118,24 @@ def summarize(records: list[RequestRecord], duration_s: float) -> dict[str, Any]
         "mean_tpot_ms": metrics.latencies["tpot"].mean,
         "prefill_tok_s": sum(prefill) / len(prefill) if prefill else None,
         "cached_token_ratio": metrics.cached_ratio,
+        **ttft_by_cache(records),
+    }
+
+
+def ttft_by_cache(records: list[RequestRecord]) -> dict[str, Any]:
+    """Mean time to first token of the requests the server reported cached tokens for (hits) and
+    of the rest (misses), with their counts: a mean TTFT mixes both, and which one moved tells a
+    slower prefill from hits waiting behind other work."""
+    hits: list[float] = []
+    misses: list[float] = []
+    for r in records:
+        if r.ok and r.first_token is not None:
+            (hits if r.cached_tokens else misses).append((r.first_token - r.start) * 1000)
+    return {
+        "hits": len(hits),
+        "hit_mean_ttft_ms": sum(hits) / len(hits) if hits else None,
+        "misses": len(misses),
+        "miss_mean_ttft_ms": sum(misses) / len(misses) if misses else None,
     }
 
 

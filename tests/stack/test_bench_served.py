@@ -28,7 +28,11 @@ def test_quick_run_without_vllm(llama_dir: Path, tmp_path: Path, capsys: pytest.
             assert case["failed"] == 0 and case["completed"] > 0
             assert case["output_tok_s"] > 0 and case["mean_ttft_ms"] > 0
     assert results["kvroute"]["cold"]["prefill_tok_s"] > 0
-    assert results["kvroute"]["prefix"]["cached_token_ratio"] > 0, "the repeated prefixes hit the cache"
+    prefix = results["kvroute"]["prefix"]
+    assert prefix["cached_token_ratio"] > 0, "the repeated prefixes hit the cache"
+    assert prefix["hits"] > 0 and prefix["misses"] > 0
+    assert prefix["hits"] + prefix["misses"] == prefix["completed"]
+    assert prefix["hit_mean_ttft_ms"] > 0 and prefix["miss_mean_ttft_ms"] > 0
     assert min(report["in_process"].values()) > 0
     by_name = {c["check"]: c for c in report["checks"]}
     assert by_name["decode_1.output_tok_s.kvroute_over_vllm"]["passed"] is None  # not measured
