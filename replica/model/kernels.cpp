@@ -15,7 +15,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <memory>
 // KVROUTE_PORTABLE keeps the AVX-512 forms out, so tests run the portable loops on any CPU.
 #if defined(__AVX512F__) && !defined(KVROUTE_PORTABLE)
@@ -287,28 +286,14 @@ void decode_values16(const float* weights, const typename D::T* values, const in
 }
 #endif
 
-// One task: query heads [h * group, (h + 1) * group) of sequence d.
+// In place, each of ``group`` rows of ``length`` scores: scaled and rounded to the dtype, then
+// their softmax in fp32, rounded to the dtype.
 template <class D>
-void decode_task(const typename D::T* q, const typename D::T* kv, const int64_t* table, int64_t h,
-                 int64_t length, const DecodeShape& s, typename D::T* out, float* scores, float* work) {
-  const int64_t group = s.heads / s.kv_heads;
-  const typename D::T* values = kv + s.kv_heads * s.pages * s.page_size * s.dim;
-  bool vectorised = false;
-#if defined(KVROUTE_AVX512)
-  vectorised = true;
-  switch (s.dim) {
-    case 16: decode_scores16<D, 1>(q, kv, table, h, length, group, s, scores); break;
-    case 32: decode_scores16<D, 2>(q, kv, table, h, length, group, s, scores); break;
-    case 64: decode_scores16<D, 4>(q, kv, table, h, length, group, s, scores); break;
-    case 128: decode_scores16<D, 8>(q, kv, table, h, length, group, s, scores); break;
-    default: vectorised = false;
-  }
-#endif
-  if (!vectorised) decode_scores<D>(q, kv, table, h, length, group, s, work, scores);
+void decode_softmax(float* scores, int64_t length, int64_t group, float scale) {
   for (int64_t g = 0; g < group; ++g) {
     float* row = scores + g * length;
 #pragma omp simd
-    for (int64_t j = 0; j < length; ++j) row[j] = D::round(row[j] * s.scale);
+    for (int64_t j = 0; j < length; ++j) row[j] = D::round(row[j] * scale);
     float top = row[0];
     for (int64_t j = 1; j < length; ++j) top = row[j] > top ? row[j] : top;
     float sum = 0.0f;
@@ -321,22 +306,33 @@ void decode_task(const typename D::T* q, const typename D::T* kv, const int64_t*
 #pragma omp simd
     for (int64_t j = 0; j < length; ++j) row[j] = D::round(row[j] * inv);
   }
-  switch (vectorised ? s.dim : 0) {
+}
+
+// One task: query heads [h * group, (h + 1) * group) of sequence d; C > 0: the AVX-512 loops for
+// head size 16 * C, 0: the portable ones.
+template <class D, int C>
+void decode_task(const typename D::T* q, const typename D::T* kv, const int64_t* table, int64_t h,
+                 int64_t length, const DecodeShape& s, typename D::T* out, float* scores, float* work) {
+  const int64_t group = s.heads / s.kv_heads;
+  const typename D::T* values = kv + s.kv_heads * s.pages * s.page_size * s.dim;
 #if defined(KVROUTE_AVX512)
-    case 16: decode_values16<D, 1>(scores, values, table, h, length, group, s, work); break;
-    case 32: decode_values16<D, 2>(scores, values, table, h, length, group, s, work); break;
-    case 64: decode_values16<D, 4>(scores, values, table, h, length, group, s, work); break;
-    case 128: decode_values16<D, 8>(scores, values, table, h, length, group, s, work); break;
+  if constexpr (C > 0) {
+    decode_scores16<D, C>(q, kv, table, h, length, group, s, scores);
+    decode_softmax<D>(scores, length, group, s.scale);
+    decode_values16<D, C>(scores, values, table, h, length, group, s, work);
+  } else
 #endif
-    default: decode_values<D>(scores, values, table, h, length, group, s, work);
+  {
+    decode_scores<D>(q, kv, table, h, length, group, s, work, scores);
+    decode_softmax<D>(scores, length, group, s.scale);
+    decode_values<D>(scores, values, table, h, length, group, s, work);
   }
   for (int64_t i = 0; i < group * s.dim; ++i) out[i] = D::store(work[i]);
 }
 
-template <class D>
-void decode_attention(const typename D::T* q, const typename D::T* kv, const int64_t* page_table,
-                      const int64_t* lengths, typename D::T* out, int64_t decodes, const DecodeShape& s,
-                      int threads) {
+template <class D, int C>
+void decode_tasks(const typename D::T* q, const typename D::T* kv, const int64_t* page_table,
+                  const int64_t* lengths, typename D::T* out, int64_t decodes, const DecodeShape& s, int threads) {
   const int64_t group = s.heads / s.kv_heads;
   int64_t longest = 0;
   for (int64_t d = 0; d < decodes; ++d) longest = lengths[d] > longest ? lengths[d] : longest;
@@ -347,12 +343,29 @@ void decode_attention(const typename D::T* q, const typename D::T* kv, const int
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < decodes * s.kv_heads; ++task) {
       const int64_t d = task / s.kv_heads, h = task % s.kv_heads;
-      decode_task<D>(q + d * s.q_stride + h * group * s.dim, kv, page_table + d * s.width, h, lengths[d], s,
-                     out + (d * s.heads + h * group) * s.dim, scores, work);
+      decode_task<D, C>(q + d * s.q_stride + h * group * s.dim, kv, page_table + d * s.width, h, lengths[d], s,
+                        out + (d * s.heads + h * group) * s.dim, scores, work);
     }
     delete[] scores;
     delete[] work;
   }
+}
+
+// The head size picks the loops once a call: AVX-512 ones for 16, 32, 64 and 128, else portable.
+template <class D>
+void decode_attention(const typename D::T* q, const typename D::T* kv, const int64_t* page_table,
+                      const int64_t* lengths, typename D::T* out, int64_t decodes, const DecodeShape& s,
+                      int threads) {
+#if defined(KVROUTE_AVX512)
+  switch (s.dim) {
+    case 16: return decode_tasks<D, 1>(q, kv, page_table, lengths, out, decodes, s, threads);
+    case 32: return decode_tasks<D, 2>(q, kv, page_table, lengths, out, decodes, s, threads);
+    case 64: return decode_tasks<D, 4>(q, kv, page_table, lengths, out, decodes, s, threads);
+    case 128: return decode_tasks<D, 8>(q, kv, page_table, lengths, out, decodes, s, threads);
+    default: break;
+  }
+#endif
+  decode_tasks<D, 0>(q, kv, page_table, lengths, out, decodes, s, threads);
 }
 
 #if defined(KVROUTE_AMX)
@@ -364,9 +377,8 @@ void decode_attention(const typename D::T* q, const typename D::T* kv, const int
 // matmuls run at a fraction of the tiles' speed): scores Q K^T and sums P V are bf16 tile
 // products accumulated in fp32, the softmax in fp32 with each row's exact maximum, its weights
 // rounded to bf16 for the second product (as SDPA's flash kernel does).
-struct ExtendShape {
-  int64_t count, length, context, heads, kv_heads, dim, pages, page_size, width, q_stride;
-  float scale;
+struct ExtendShape : DecodeShape {
+  int64_t count, length, context;
 };
 
 struct alignas(64) TileConfig {
@@ -677,22 +689,23 @@ int extend_attention_supported(int64_t dim) {
 #endif
 }
 
-// Prefill attention on AMX tiles (bf16, head sizes a multiple of 32 up to 128): returns 0 where
-// this build or the kernel cannot run it (no AMX, no permission for the tiles, another head size),
-// having written nothing; the caller then uses SDPA.
+// Prefill attention on AMX tiles (bf16, head sizes a multiple of 32 up to 128), its arguments
+// as decode_attention's (``starts`` where that has ``lengths``), then each chunk's length and
+// context: returns 0 where extend_attention_supported does not hold, having written nothing.
 int extend_attention_bf16(const void* q, const void* kv, const int64_t* page_table, const int64_t* starts, void* out,
-                          int64_t count, int64_t length, int64_t context, int64_t heads, int64_t kv_heads, int64_t dim,
-                          int64_t pages, int64_t page_size, int64_t width, int64_t q_stride, float scale, int threads) {
+                          int64_t count, int64_t heads, int64_t kv_heads, int64_t dim, int64_t pages,
+                          int64_t page_size, int64_t width, int64_t q_stride, float scale, int threads,
+                          int64_t length, int64_t context) {
+  if (!extend_attention_supported(dim)) return 0;
 #if defined(KVROUTE_AMX)
-  if (dim % 32 != 0 || dim > 128 || !amx_permitted()) return 0;
-  const ExtendShape shape{count, length, context, heads, kv_heads, dim, pages, page_size, width, q_stride, scale};
+  const ExtendShape shape{{heads, kv_heads, dim, pages, page_size, width, q_stride, scale}, count, length, context};
   extend_attention(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv), page_table, starts,
                    static_cast<uint16_t*>(out), shape, threads);
   return 1;
 #else
-  (void)q, (void)kv, (void)page_table, (void)starts, (void)out, (void)count, (void)length, (void)context;
-  (void)heads, (void)kv_heads, (void)dim, (void)pages, (void)page_size, (void)width, (void)q_stride, (void)scale;
-  (void)threads;
+  (void)q, (void)kv, (void)page_table, (void)starts, (void)out, (void)count, (void)heads, (void)kv_heads;
+  (void)pages, (void)page_size, (void)width, (void)q_stride, (void)scale, (void)threads, (void)length;
+  (void)context;
   return 0;
 #endif
 }

@@ -41,7 +41,7 @@ SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Entry points for one dtype only, with an int result (0: not run here).
 _SINGLE = {
     "extend_attention_supported": [_INT64],
-    "extend_attention_bf16": [_VOID, _VOID, _VOID, _VOID, _VOID, *[_INT64] * 10, _FLOAT, _INT],
+    "extend_attention_bf16": [_VOID, _VOID, _VOID, _VOID, _VOID, *[_INT64] * 8, _FLOAT, _INT, _INT64, _INT64],
 }
 
 

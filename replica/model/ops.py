@@ -101,27 +101,8 @@ def decode_attention(
     pool's layer [2, kv_heads, pages, page_size, dim]; page_table [decodes, width] and lengths
     [decodes], int64. Only where :func:`native_decode_attention` holds."""
     kernel = _kernel("decode_attention", kv_cache, out)
-    assert kernel is not None and q.dtype == out.dtype and q.stride(2) == 1 and q.stride(1) == q.shape[2]
-    assert page_table.is_contiguous() and lengths.is_contiguous()
-    decodes, heads, dim = q.shape
-    _, kv_heads, pages, page_size, _ = kv_cache.shape
-    kernel(
-        q.data_ptr(),
-        kv_cache.data_ptr(),
-        page_table.data_ptr(),
-        lengths.data_ptr(),
-        out.data_ptr(),
-        decodes,
-        heads,
-        kv_heads,
-        dim,
-        pages,
-        page_size,
-        page_table.shape[1],
-        q.stride(0),
-        dim**-0.5,
-        torch.get_num_threads(),
-    )
+    assert kernel is not None
+    _paged(kernel, q, kv_cache, page_table, lengths, out)
 
 
 def native_prefill_attention(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
@@ -144,24 +125,38 @@ def extend_attention(
     starts[c] ..), each the tail of a ``context``-key context read from the pool's pages
     page_table[c] (its own K/V already written there), into the same rows of ``out``.
 
-    q [tokens, heads, dim] (rows may be strided, as in :func:`decode_attention`), out contiguous;
-    page_table [chunks, width] and starts [chunks], int64. Only where
-    :func:`native_prefill_attention` holds."""
+    Shapes as :func:`decode_attention`'s, ``starts`` [chunks] where it has ``lengths``, all bf16.
+    Only where :func:`native_prefill_attention` holds."""
     library = kernels()
-    assert library is not None and q.dtype == out.dtype == kv_cache.dtype == torch.bfloat16
-    assert q.stride(2) == 1 and q.stride(1) == q.shape[2] and out.is_contiguous() and kv_cache.is_contiguous()
-    assert page_table.is_contiguous() and starts.is_contiguous() and page_table.shape[0] == starts.shape[0]
+    assert library is not None and q.dtype == torch.bfloat16
+    ran = _paged(library.extend_attention_bf16, q, kv_cache, page_table, starts, out, length, context)
+    assert ran, "extend_attention called where native_prefill_attention does not hold"
+
+
+def _paged(
+    kernel: Callable[..., int | None],
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    page_table: torch.Tensor,
+    per_sequence: torch.Tensor,
+    out: torch.Tensor,
+    *extra: int,
+) -> int | None:
+    """Calls an attention kernel over the paged pool with the arguments they share: q [tokens,
+    heads, dim] (rows may be strided), the pool's layer, page tables [sequences, width], one int64
+    per sequence, out [tokens, heads, dim] contiguous; then ``extra``."""
+    assert q.dtype == out.dtype == kv_cache.dtype and q.stride(2) == 1 and q.stride(1) == q.shape[2]
+    assert out.is_contiguous() and kv_cache.is_contiguous() and page_table.is_contiguous()
+    assert per_sequence.is_contiguous() and page_table.shape[0] == per_sequence.shape[0]
     _, heads, dim = q.shape
     _, kv_heads, pages, page_size, _ = kv_cache.shape
-    ran = library.extend_attention_bf16(
+    return kernel(
         q.data_ptr(),
         kv_cache.data_ptr(),
         page_table.data_ptr(),
-        starts.data_ptr(),
+        per_sequence.data_ptr(),
         out.data_ptr(),
-        starts.shape[0],
-        length,
-        context,
+        per_sequence.shape[0],
         heads,
         kv_heads,
         dim,
@@ -171,8 +166,8 @@ def extend_attention(
         q.stride(0),
         dim**-0.5,
         torch.get_num_threads(),
+        *extra,
     )
-    assert ran, "extend_attention called where native_prefill_attention does not hold"
 
 
 def eager_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -167,16 +167,15 @@ class ModelRunner:
         pages only where the chunks have earlier context to read back from the pool, or where the
         native kernel reads every context from the pool."""
         starts = [start for start, _ in chunks]
-        if self._native_prefill:
+        pages = None
+        if self._native_prefill or context > length:
             pages = torch.tensor([page for _, table in chunks for page in table], device=self.device)
+        if self._native_prefill:
             offsets = torch.tensor(starts, device=self.device)
             return PrefillGroup(starts, length, context, None, pages, offsets)
         rows = None
         if len(chunks) > 1:
             rows = (torch.tensor(starts).unsqueeze(1) + torch.arange(length)).flatten().to(self.device)
-        pages = None
-        if context > length:
-            pages = torch.tensor([page for _, table in chunks for page in table], device=self.device)
         return PrefillGroup(starts, length, context, rows, pages)
 
     def _decode_batch(self, decodes: list[Sequence]) -> _DecodeBatch:

@@ -280,6 +280,7 @@ def calibrate(
         kv_cache_tokens=plan.kv_cache_tokens,
         max_num_seqs=max(batch for batch, _ in plan.batches),
         max_num_batched_tokens=plan.max_num_batched_tokens,
+        max_prefill_step_tokens=plan.max_num_batched_tokens,  # the plan's steps, bursts included
     )
     engine = LLMEngine(config)
     bench = _Bench(engine, plan, progress)

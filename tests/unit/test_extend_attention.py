@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from replica.model import ops
 from replica.model.attention import AttentionBatch, PrefillGroup, paged_attention
+from tests.unit.test_prefill_attention import causal_reference
 
 KV_HEADS, HEADS, PAGE_SIZE, PAGES = 3, 9, 16, 512
 
@@ -19,16 +19,6 @@ KV_HEADS, HEADS, PAGE_SIZE, PAGES = 3, 9, 16, 512
 def needs_amx() -> None:
     if not ops.native_prefill_attention(torch.bfloat16, "cpu", 64):
         pytest.skip("no AMX tiles on this CPU (or no compiler): prefill attention is SDPA's here")
-
-
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [length, heads, dim] over k, v [kv_heads, keys, dim], bottom-right causal, in fp64."""
-    length, keys = q.shape[0], k.shape[1]
-    mask = torch.arange(keys).unsqueeze(0) <= torch.arange(length).unsqueeze(1) + keys - length
-    out = F.scaled_dot_product_attention(
-        q.double().transpose(0, 1), k.double(), v.double(), attn_mask=mask, enable_gqa=True
-    )
-    return out.transpose(0, 1)
 
 
 def _attend(
@@ -74,7 +64,7 @@ def test_extend_attention_matches_sdpa(length: int, context: int, dim: int, coun
     for chunk, table in enumerate(tables):
         rows = slice(chunk * length, (chunk + 1) * length)
         keys = kv_cache[:, :, table].reshape(2, KV_HEADS, -1, dim)[:, :, :context]
-        expected = _reference(q[rows], keys[0], keys[1])
+        expected = causal_reference(q[rows].unsqueeze(0), keys[:1], keys[1:])[0]
         torch.testing.assert_close(got[rows].double(), expected, rtol=2e-2, atol=2e-2)
         alone = _attend(q[rows], kv_cache, [table], length, context)
         assert torch.equal(alone, got[rows]), "a chunk's rows do not depend on the chunks beside it"

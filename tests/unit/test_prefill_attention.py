@@ -21,7 +21,7 @@ from replica.model.attention import (
 )
 
 
-def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Plain SDPA in fp64 with the bottom-right causal mask written out; shapes as prefill_attention."""
     queries, keys = q.shape[1], k.shape[2]
     mask = torch.arange(keys).unsqueeze(0) <= torch.arange(queries).unsqueeze(1) + keys - queries
@@ -63,7 +63,7 @@ def test_prefill_attention_matches_sdpa(
     v = torch.randn(count, kv_heads, keys, 32, generator=generator).to(dtype)
     got = attention(q, k, v)
     assert got.shape == (count, length, heads, 32) and got.dtype == dtype
-    expected = _reference(q, k, v)
+    expected = causal_reference(q, k, v)
     assert torch.allclose(got.double(), expected, atol=tolerance, rtol=tolerance)
 
 
