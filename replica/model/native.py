@@ -1,10 +1,11 @@
-"""The fused CPU kernels of ``kernels.cpp``, compiled for this CPU on first use and cached.
+"""The fused CPU kernels of ``kernels.cpp`` and the fp32 linear layers of ``gemm.cpp``, compiled
+for this CPU on first use and cached.
 
-A C++ compiler turns them into a shared library under ``kvroute_home()/kernels`` in about a
+A C++ compiler turns them into one shared library under ``kvroute_home()/kernels`` in about a
 second; the file's name carries a digest of the source, the flags, the compiler and the CPU, so
 a change to any of them builds afresh. Where no compiler is found, the build fails, or
 ``KVROUTE_NATIVE_KERNELS=0`` is set, :func:`kernels` returns None and the decoder runs the same
-arithmetic as eager PyTorch ops (``replica/model/ops.py``).
+arithmetic as eager PyTorch ops (``replica/model/ops.py``) and oneDNN's linears (``linear.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from replica.home import kvroute_home
 
 log = logging.getLogger("kvroute.replica")
 
-SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "gemm.cpp"))
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 DISABLE_ENV = "KVROUTE_NATIVE_KERNELS"
 
@@ -40,6 +41,8 @@ _SIGNATURES = {
 SUFFIXES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # Entry points for one dtype only, with an int result (0: not run here).
 _SINGLE = {
+    "gemm_f32_supported": [],
+    "gemm_f32": [_VOID, _INT64, _VOID, _VOID, _VOID, _INT64, _INT64, _INT64, _INT],
     "extend_attention_supported": [_INT64],
     "extend_attention_bf16": [_VOID, _VOID, _VOID, _VOID, _VOID, *[_INT64] * 8, _FLOAT, _INT, _INT64, _INT64],
 }
@@ -74,7 +77,8 @@ def _built(compiler: str) -> Path:
     """The library for this source, compiler and CPU: built now unless already cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), version.encode(), _cpu_signature()):
+    sources = [source.read_bytes() for source in SOURCES]
+    for part in (*sources, " ".join(FLAGS).encode(), version.encode(), _cpu_signature()):
         digest.update(part)
     target = kvroute_home() / "kernels" / f"kvroute_kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
@@ -85,7 +89,7 @@ def _built(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, "-o", partial, str(SOURCE)], capture_output=True, text=True, check=True
+            [compiler, *FLAGS, "-o", partial, *map(str, SOURCES)], capture_output=True, text=True, check=True
         )
         os.replace(partial, target)
     finally:
