@@ -21,10 +21,11 @@ constexpr int64_t kPanel = 16;   // output columns per panel: two 8-float vector
 constexpr int64_t kGroup = 2;    // panels per unit of work (one thread's share is whole groups)
 constexpr int kRowsPerTile = 6;  // 6 rows x 16 columns: 12 accumulators, 2 weight vectors, 1 broadcast
 
-// Rows [0, MR) of x against NP consecutive panels starting at `panels`.
+// Rows [0, MR) of x against NP consecutive panels starting at `panels`; where `ahead` is given,
+// one line of it is fetched into L2 per k (the next panels, while these are read from cache).
 template <int MR, int NP>
 inline void tile(const float* x, int64_t lda, const float* panels, int64_t k_len, const float* bias,
-                 float* out, int64_t ldc) {
+                 float* out, int64_t ldc, const float* ahead = nullptr) {
   __m256 acc[MR][2 * NP];
 #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p) {
@@ -44,6 +45,7 @@ inline void tile(const float* x, int64_t lda, const float* panels, int64_t k_len
       w[2 * p] = _mm256_loadu_ps(panels + p * panel_stride + k * kPanel);
       w[2 * p + 1] = _mm256_loadu_ps(panels + p * panel_stride + k * kPanel + 8);
     }
+    if (ahead) _mm_prefetch(reinterpret_cast<const char*>(ahead + k * kPanel), _MM_HINT_T1);
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m256 xv = _mm256_broadcast_ss(x + m * lda + k);
@@ -60,37 +62,43 @@ inline void tile(const float* x, int64_t lda, const float* panels, int64_t k_len
 // The rows left after the 6-row tiles (1-5), against NP panels.
 template <int NP>
 inline void tail(int rows, const float* x, int64_t lda, const float* panels, int64_t k_len,
-                 const float* bias, float* out, int64_t ldc) {
+                 const float* bias, float* out, int64_t ldc, const float* ahead) {
   switch (rows) {
-    case 1: tile<1, NP>(x, lda, panels, k_len, bias, out, ldc); break;
-    case 2: tile<2, NP>(x, lda, panels, k_len, bias, out, ldc); break;
-    case 3: tile<3, NP>(x, lda, panels, k_len, bias, out, ldc); break;
-    case 4: tile<4, NP>(x, lda, panels, k_len, bias, out, ldc); break;
-    case 5: tile<5, NP>(x, lda, panels, k_len, bias, out, ldc); break;
+    case 1: tile<1, NP>(x, lda, panels, k_len, bias, out, ldc, ahead); break;
+    case 2: tile<2, NP>(x, lda, panels, k_len, bias, out, ldc, ahead); break;
+    case 3: tile<3, NP>(x, lda, panels, k_len, bias, out, ldc, ahead); break;
+    case 4: tile<4, NP>(x, lda, panels, k_len, bias, out, ldc, ahead); break;
+    case 5: tile<5, NP>(x, lda, panels, k_len, bias, out, ldc, ahead); break;
     default: break;
   }
 }
 
-// Every row of x against the panels [first, first + count) (count 1 or 2).
+// Every row of x against the panels [first, first + count) (count 1 or 2). The first tile of rows
+// reads the panels from memory; while the second reads them again from cache, the next group's
+// panels (`next`, or null) are fetched, so the memory streams under arithmetic.
 void group(const float* x, int64_t lda, int64_t rows, const float* panels, int64_t first,
-           int64_t count, int64_t k_len, const float* bias, float* out, int64_t ldc) {
-  const float* w = panels + first * k_len * kPanel;
+           int64_t count, int64_t k_len, const float* bias, float* out, int64_t ldc, const float* next) {
+  const int64_t panel_size = k_len * kPanel;
+  const float* w = panels + first * panel_size;
   const float* b = bias ? bias + first * kPanel : nullptr;
   float* y = out + first * kPanel;
   int64_t m = 0;
   for (; m + kRowsPerTile <= rows; m += kRowsPerTile)
-    for (int64_t p = 0; p < count; ++p)
-      tile<kRowsPerTile, 1>(x + m * lda, lda, w + p * k_len * kPanel, k_len, b ? b + p * kPanel : nullptr,
-                            y + m * ldc + p * kPanel, ldc);
+    for (int64_t p = 0; p < count; ++p) {
+      const float* ahead = m == kRowsPerTile && next ? next + p * panel_size : nullptr;
+      tile<kRowsPerTile, 1>(x + m * lda, lda, w + p * panel_size, k_len, b ? b + p * kPanel : nullptr,
+                            y + m * ldc + p * kPanel, ldc, ahead);
+    }
   const int left = static_cast<int>(rows - m);
   if (left == 0) return;
+  const float* ahead = m == kRowsPerTile ? next : nullptr;
   if (count == 2 && left <= 2) {  // few rows: both panels at once, for enough independent sums
-    tail<2>(left, x + m * lda, lda, w, k_len, b, y + m * ldc, ldc);
+    tail<2>(left, x + m * lda, lda, w, k_len, b, y + m * ldc, ldc, ahead);
     return;
   }
   for (int64_t p = 0; p < count; ++p)
-    tail<1>(left, x + m * lda, lda, w + p * k_len * kPanel, k_len, b ? b + p * kPanel : nullptr,
-            y + m * ldc + p * kPanel, ldc);
+    tail<1>(left, x + m * lda, lda, w + p * panel_size, k_len, b ? b + p * kPanel : nullptr,
+            y + m * ldc + p * kPanel, ldc, ahead ? ahead + p * panel_size : nullptr);
 }
 
 }  // namespace
@@ -109,7 +117,9 @@ int gemm_f32(const float* x, int64_t lda, const float* panels, const float* bias
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t first = g * kGroup;
     const int64_t count = panel_count - first < kGroup ? panel_count - first : kGroup;
-    group(x, lda, rows, panels, first, count, k_len, bias, out, n);
+    const bool whole_next = first + 2 * kGroup <= panel_count;
+    const float* next = whole_next ? panels + (first + kGroup) * k_len * kPanel : nullptr;
+    group(x, lda, rows, panels, first, count, k_len, bias, out, n, next);
   }
   return 1;
 }

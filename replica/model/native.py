@@ -27,7 +27,7 @@ from replica.home import kvroute_home
 log = logging.getLogger("kvroute.replica")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("kernels.cpp", "gemm.cpp"))
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC")
 DISABLE_ENV = "KVROUTE_NATIVE_KERNELS"
 
 _VOID, _INT64, _FLOAT, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
