@@ -25,7 +25,7 @@ constexpr int kRowsPerTile = 6;  // 6 rows x 16 columns: 12 accumulators, 2 weig
 // one line of it is fetched into L2 per k (the next panels, while these are read from cache).
 template <int MR, int NP>
 inline void tile(const float* x, int64_t lda, const float* panels, int64_t k_len, const float* bias,
-                 float* out, int64_t ldc, const float* ahead = nullptr) {
+                 float* out, int64_t ldc, const float* ahead) {
   __m256 acc[MR][2 * NP];
 #pragma GCC unroll 4
   for (int p = 0; p < NP; ++p) {

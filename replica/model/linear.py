@@ -11,6 +11,8 @@ result independent of the rows beside it. CUDA, and builds without oneDNN, use t
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -40,13 +42,9 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
-        if self.panels is not None:
-            matrix_bytes = self.panels.numel() * self.panels.element_size()
-        else:
-            matrix = self.packed if self.packed is not None else self.weight
-            matrix_bytes = matrix.shape[0] * matrix.shape[1] * matrix.dtype.itemsize
+        matrix = next(m for m in (self.panels, self.packed, self.weight) if m is not None)
         extra = self.bias.numel() * self.bias.element_size() if self.bias is not None else 0
-        return matrix_bytes + extra
+        return math.prod(matrix.shape) * matrix.dtype.itemsize + extra
 
 
 def _panels(weight: torch.Tensor) -> torch.Tensor | None:
