@@ -61,7 +61,7 @@ class _PollReads:
     booting: set[str]  # models whose stream positions were read again
     positions: dict[str, StreamPosition]
     snapshots: dict[str, Snapshot]
-    drained: frozenset[str]
+    drained: set[bytes]  # the drain set as read (see SharedDrains.members)
     expired: frozenset[str]  # registered, but their heartbeat is gone
     at: float  # loop time of the reads
 
@@ -282,9 +282,8 @@ class IndexMirror:
             or self._replicas[rid].model != beat.model
         ]
         snapshots = await self._reader.snapshots(redis, reload)
-        drained = SharedDrains.members(drained_members)
         expired = frozenset(rid for rid, beat in heartbeats.items() if beat is None)
-        return _PollReads(run_id, full, live, booting, positions, snapshots, drained, expired, now)
+        return _PollReads(run_id, full, live, booting, positions, snapshots, drained_members, expired, now)
 
     def _apply_poll(self, poll: _PollReads) -> None:
         self._grace.polled(poll.at, set(poll.expired & self._replicas.keys()), len(self._replicas))
@@ -310,7 +309,7 @@ class IndexMirror:
             log.info("index bootstrapped: %d replicas, %d blocks", self.index.num_replicas, self.index.size)
         self._metrics.count_replicas(beat.model for beat in self._replicas.values())
         if self._on_poll is not None:
-            self._on_poll(self.replicas(), poll.drained)
+            self._on_poll(self.replicas(), self.drains.members(poll.drained))
         self._run_id = poll.run_id
         self._full_bootstrap = False
         self._outage_reported = False

@@ -17,6 +17,7 @@ import pytest
 import torch
 from redis.asyncio import Redis
 
+from gateway.index.drains import SharedDrains
 from gateway.index.mirror import IndexMirror
 from kvroute.protocol import (
     HEARTBEAT_FIELDS,
@@ -360,6 +361,33 @@ async def test_a_long_silent_registration_is_pruned(redis_server: RedisServer) -
         finally:
             await mirror.stop()
             await alive.publisher.stop()
+            await redis.aclose()
+
+
+async def test_a_drain_made_during_a_poll_outlives_that_poll(redis_server: RedisServer) -> None:
+    """A poll reads the drain set, then this gateway drains one replica and puts another back
+    before the poll is applied: the poll's answer must carry both, or the drained replica would be
+    routed to again until the next poll."""
+
+    async with asyncio.timeout(TIMEOUT_S):
+        redis = Redis.from_url(redis_server.url)
+        drains = SharedDrains(KEYS, lambda: redis)
+
+        async def poll_read() -> set[bytes]:
+            async with redis.pipeline(transaction=False) as pipe:
+                drains.read(pipe)
+                [reply] = await pipe.execute()
+            return reply
+
+        try:
+            await redis.sadd(KEYS.drained, "r1")
+            reply = await poll_read()
+            assert await drains.share("r0", True) and await drains.share("r1", False)
+            assert reply == {b"r1"} and drains.members(reply) == {"r0"}
+            reply = await poll_read()  # the next poll reads them from Redis itself
+            assert reply == {b"r0"} and drains.members(reply) == {"r0"}
+        finally:
+            await redis.delete(KEYS.drained)
             await redis.aclose()
 
 
