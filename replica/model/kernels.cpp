@@ -69,18 +69,79 @@ inline float fast_exp(float x) {
   return x > hi ? INFINITY : y * scale;
 }
 
+// The squares of a row, summed in the order torch's CPU sum kernel adds them (SumKernel.cpp's
+// cascade: 8-float vectors in 4 interleaved accumulators, flushed up 4 levels every 16 groups;
+// leftover vectors, then the tail elements, then the lanes in turn; rows under 8 wide take the
+// same cascade one float at a time). Any other order moves the mean by an fp32 ulp now and then,
+// and over 30 bf16 layers that decides near-tied greedy tokens the other way from transformers
+// (SmolLM2's "The"/"L" opening to "What is the capital of France?").
+template <class D, int64_t kLanes>
+inline float cascade_sum_squares(const typename D::T* x, int64_t width) {
+  // A group is 4 vectors side by side; accumulator element k * kLanes + lane is vector k's lane,
+  // so one flat loop over a group's kWide floats keeps every lane's order and vectorises.
+  constexpr int64_t kInterleave = 4, kLevels = 4, kWide = kInterleave * kLanes;
+  const int64_t vectors = width / kLanes, groups = vectors / kInterleave;
+  float levels[kLevels][kWide] = {};
+  const int64_t ceil_log2 = groups <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(groups - 1));
+  const int64_t power = ceil_log2 / kLevels > 4 ? ceil_log2 / kLevels : 4;
+  const int64_t step = int64_t{1} << power, mask = step - 1;
+  auto add_groups = [x, &levels](int64_t first, int64_t end) {
+    for (int64_t group = first; group < end; ++group) {
+      const typename D::T* v = x + group * kWide;
+#pragma omp simd
+      for (int64_t i = 0; i < kWide; ++i) {
+        const float value = D::load(v[i]);
+        levels[0][i] += value * value;
+      }
+    }
+  };
+  int64_t group = 0;
+  for (; group + step <= groups; group += step) {
+    add_groups(group, group + step);
+    for (int64_t level = 1; level < kLevels; ++level) {
+#pragma omp simd
+      for (int64_t i = 0; i < kWide; ++i) {
+        levels[level][i] += levels[level - 1][i];
+        levels[level - 1][i] = 0.0f;
+      }
+      if (((group + step) & (mask << (level * power))) != 0) break;
+    }
+  }
+  add_groups(group, groups);
+  for (int64_t level = 1; level < kLevels; ++level) {
+#pragma omp simd
+    for (int64_t i = 0; i < kWide; ++i) levels[0][i] += levels[level][i];
+  }
+  float* total = levels[0];  // vector 0's lanes, where the leftover vectors and then the others go
+  for (int64_t vector = groups * kInterleave; vector < vectors; ++vector) {
+    for (int64_t lane = 0; lane < kLanes; ++lane) {
+      const float value = D::load(x[vector * kLanes + lane]);
+      total[lane] += value * value;
+    }
+  }
+  for (int64_t k = 1; k < kInterleave; ++k) {
+    for (int64_t lane = 0; lane < kLanes; ++lane) total[lane] += total[k * kLanes + lane];
+  }
+  float sum = 0.0f;
+  for (int64_t i = vectors * kLanes; i < width; ++i) {
+    const float value = D::load(x[i]);
+    sum += value * value;
+  }
+  for (int64_t lane = 0; lane < kLanes; ++lane) sum += total[lane];
+  return sum;
+}
+
+template <class D>
+inline float sum_squares(const typename D::T* x, int64_t width) {
+  return width >= 8 ? cascade_sum_squares<D, 8>(x, width) : cascade_sum_squares<D, 1>(x, width);
+}
+
 // out = weight * (x * rsqrt(mean(x^2) + eps)) for one row, as transformers' RMSNorm rounds it:
 // the normalised row in fp32, rounded to the dtype, then scaled by the weight.
 template <class D>
 inline void norm_row(const typename D::T* x, const typename D::T* weight, typename D::T* out,
                      int64_t width, float eps) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < width; ++i) {
-    float v = D::load(x[i]);
-    sum += v * v;
-  }
-  const float inv = 1.0f / std::sqrt(sum / static_cast<float>(width) + eps);
+  const float inv = 1.0f / std::sqrt(sum_squares<D>(x, width) / static_cast<float>(width) + eps);
 #pragma omp simd
   for (int64_t i = 0; i < width; ++i) {
     out[i] = D::store(D::load(weight[i]) * D::round(D::load(x[i]) * inv));

@@ -1,8 +1,8 @@
 """The fused CPU kernels against the eager ops they replace: they round at the same points, so
-results agree to an ulp of fp32 (the sum inside RMSNorm and the exp inside SiLU are computed in
-another order), which in bf16 leaves almost every value equal and the rest one bf16 ulp apart;
-rows independent of the rows beside them; and the eager ops taking over where the kernels cannot
-be built."""
+RMSNorm (its sum of squares taken in torch's own order) is eager's to the bit, and the rest agree
+to an ulp of fp32 (the exp inside SiLU is computed another way), which in bf16 leaves almost every
+value equal and the rest one bf16 ulp apart; rows independent of the rows beside them; and the
+eager ops taking over where the kernels cannot be built."""
 
 from __future__ import annotations
 
@@ -50,7 +50,24 @@ def test_rms_norm_matches_eager(dtype: torch.dtype, rows: int) -> None:
     generator = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, HIDDEN, generator=generator) * 3).to(dtype)
     weight = (torch.rand(HIDDEN, generator=generator) + 0.5).to(dtype)
-    assert_same(ops.rms_norm(x, weight, 1e-5), ops.eager_rms_norm(x, weight, 1e-5))
+    assert torch.equal(ops.rms_norm(x, weight, 1e-5), ops.eager_rms_norm(x, weight, 1e-5))
+
+
+# Widths through every branch of torch's summation order: under one 8-float vector, leftover
+# vectors and tail elements, one cascade flush (576: SmolLM2), several, and a deep one.
+@pytest.mark.parametrize("width", [5, 17, 100, 576, 960, 2048, 5000, 16384])
+def test_rms_norm_sums_in_torchs_order(width: int) -> None:
+    """An fp32 ulp off the mean now and then flips a bf16 rounding, and 30 layers of that turn
+    SmolLM2's greedy answer to "What is the capital of France?" from "The ..." to "L'Étoile"."""
+    needs_kernels()
+    generator = torch.Generator().manual_seed(width)
+    x = (torch.randn(64, width, generator=generator) * 3).to(torch.bfloat16)
+    weight = torch.ones(width, dtype=torch.bfloat16)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6), ops.eager_rms_norm(x, weight, 1e-6))
+    as_fp32 = x.float() * 7.3
+    assert torch.equal(
+        ops.rms_norm(as_fp32, weight.float(), 1e-6), ops.eager_rms_norm(as_fp32, weight.float(), 1e-6)
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,7 +82,7 @@ def test_add_rms_norm_updates_the_residual_and_matches_eager(dtype: torch.dtype,
     normed = ops.add_rms_norm_(fused_residual, delta, weight, 1e-6)
     expected = ops.eager_rms_norm(eager_residual.add_(delta), weight, 1e-6)
     assert torch.equal(fused_residual, eager_residual)  # one rounded add either way
-    assert_same(normed, expected)
+    assert torch.equal(normed, expected)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
