@@ -21,6 +21,7 @@ import logging
 import time
 from contextlib import aclosing
 from dataclasses import KW_ONLY, dataclass
+from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 from starlette.types import Receive, Scope, Send
@@ -257,15 +258,19 @@ class Pipeline:
                 if response is not kept:
                     self.fleet.unwatch(replica, response)
 
-    def _over(self, sent: _Dispatched) -> None:
-        """The request is no longer in flight at its replica."""
-        self.fleet.done(sent.ticket)
+    def _over(self, sent: _Dispatched, usage: dict[str, Any] | None = None) -> None:
+        """The request is no longer in flight at its replica; ``usage``: its answer's, if it came."""
+        completion_tokens = (usage or {}).get("completion_tokens")
+        self.fleet.done(sent.ticket, completion_tokens if isinstance(completion_tokens, int) else 0)
         self.fleet.unwatch(sent.replica, sent.response)
 
     async def _relay_whole(self, send: Send, sent: _Dispatched) -> None:
         replica, response = sent.replica, sent.response
+        usage = None
         try:
             content = await response.read()
+            if response.status == 200:
+                usage = json.loads(content).get("usage")
         except UpstreamError as error:
             self.fleet.failed(replica, str(error))
             raise APIError(
@@ -275,11 +280,11 @@ class Pipeline:
             ) from None
         finally:
             response.close()
-            self._over(sent)
+            self._over(sent, usage)
         sent.metrics.e2e.observe(time.monotonic() - sent.started)
         if response.status == 200:
             self.fleet.succeeded(replica)
-            self.metrics.answered(sent.metrics, replica, sent.predicted, json.loads(content).get("usage"))
+            self.metrics.answered(sent.metrics, replica, sent.predicted, usage)
         await send(
             {
                 "type": "http.response.start",
@@ -307,7 +312,7 @@ class Pipeline:
                 try:
                     async for events_read in events:
                         if relay.finished:  # out of flight before the client can send its next turn
-                            self._over(sent)
+                            self._over(sent, relay.usage)
                         await send({"type": "http.response.body", "body": events_read, "more_body": True})
                 except UpstreamError as error:
                     broken = str(error)

@@ -215,7 +215,10 @@ class Router:
         request = RouteRequest(model, len(prompt), block_size, session_id)
         within = self.expect_return_s
         if self.degraded:  # no cache, no heartbeat load
-            candidates = [_own_load(r, *r.flights.awaited(prompt, within)) for r in replicas]
+            candidates = []
+            for replica in replicas:
+                returning, held = replica.flights.awaited(prompt, within)
+                candidates.append(_own_load(replica, returning, held > 0))
             return self._ordered(self.load_policy, request, candidates, roster, prompt, hashes)
         matches = self.mirror.lookup_with_predictions(model, hashes)
         candidates = []
@@ -223,16 +226,19 @@ class Router:
             replica.flights.settle_prefills(partial(self.mirror.holds, replica.replica_id))
             match = matches.get(replica.replica_id)
             comparable = replica.fingerprint == fingerprint and replica.block_size == block_size
-            returning, continues = replica.flights.awaited(prompt, within)
+            returning, held = replica.flights.awaited(prompt, within)
+            predicted = match.with_predicted if match and comparable else 0
+            if comparable:  # what it answered of this conversation, its events of it on their way
+                predicted = max(predicted, held // block_size)
             candidates.append(
                 candidate_for(
                     replica,
                     self.gateway_id,
                     cached_blocks=match.confirmed if match and comparable else 0,
-                    predicted_blocks=match.with_predicted if match and comparable else 0,
+                    predicted_blocks=predicted,
                     cache_comparable=comparable,
                     returning=returning,
-                    continues=continues,
+                    continues=held > 0,
                 )
             )
         return self._ordered(policy or self.policy, request, candidates, roster, prompt, hashes)

@@ -286,8 +286,9 @@ class Fleet:
         self._flying[ticket] = replica
         return ticket
 
-    def done(self, ticket: int) -> None:
-        """The request is over (ignored for a ticket already done)."""
+    def done(self, ticket: int, completion_tokens: int = 0) -> None:
+        """The request is over (ignored for a ticket already done); ``completion_tokens`` from its
+        usage, where the answer came whole."""
         replica = self._flying.pop(ticket, None)
         if replica is not None:
-            replica.flights.remove(ticket)
+            replica.flights.remove(ticket, completion_tokens)

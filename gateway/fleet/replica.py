@@ -80,8 +80,9 @@ class Flights:
     def __init__(self) -> None:
         self.flights: dict[int, InFlight] = {}  # by ticket
         self.prefilling: set[int] = set()  # tickets whose prefill is not yet seen over
-        # the prompt (length, digest) of each request answered lately -> when (monotonic)
-        self.answered: dict[tuple[int, int], float] = {}
+        # the prompt (length, digest) of each request answered lately -> when (monotonic), and how
+        # many leading tokens of its conversation the replica holds now (prompt and answer)
+        self.answered: dict[tuple[int, int], tuple[float, int]] = {}
         self.sequences = 0
         self.tokens = 0
         self.since = 0.0
@@ -94,12 +95,16 @@ class Flights:
             self.prefilling.add(ticket)
         self.count(flight, 1)
 
-    def remove(self, ticket: int) -> None:
+    def remove(self, ticket: int, completion_tokens: int = 0) -> None:
+        """The request is over; ``completion_tokens``: what its answer generated (its usage), all of
+        which but the last token the replica has cached after the prompt."""
         self.prefilling.discard(ticket)
         flight = self.flights.pop(ticket)
         self.count(flight, -1)
         if flight.prompt_key is not None:
-            self.answered[flight.prompt_key] = time.monotonic()
+            length = flight.prompt_key[0]
+            answer = completion_tokens // max(1, flight.sequences)
+            self.answered[flight.prompt_key] = (time.monotonic(), length + max(0, answer - 1))
 
     def settle_prefills(self, holds: Callable[[int], bool]) -> None:
         """Stops counting the prefill of every request whose last full prompt block the replica's
@@ -116,21 +121,23 @@ class Flights:
                 flight.uncached_tokens = 0
                 self.count(flight, 1)
 
-    def awaited(self, prompt: PromptIds, within_s: float) -> tuple[int, bool]:
+    def awaited(self, prompt: PromptIds, within_s: float) -> tuple[int, int]:
         """Requests answered here in the last ``within_s`` seconds whose conversations may send
         their next turn here, other than those ``prompt`` continues (it starts with their whole
-        prompt); and whether it continues one. Without the first, a replica that has just answered
-        a chat looks idle, and another chat's first turn can take the place the next turn needs;
-        the second breaks a tie for the next turn when the replica's events of the answer have not
-        reached this gateway yet (a short first turn then matches no more here than its template
-        opening does elsewhere)."""
+        prompt); and, where it continues one, how many of its leading tokens the replica holds from
+        that answer (else 0). Without the first, a replica that has just answered a chat looks
+        idle, and another chat's first turn can take the place the next turn needs. The second is
+        the cache the next turn finds here before the replica's events of the answer reach this
+        gateway: counting only the last prompt's blocks, a short history matches little more here
+        than its template opening does elsewhere, and a co-running request on this replica sends
+        the next turn away."""
         if not self.answered:
-            return 0, False
+            return 0, 0
         horizon = time.monotonic() - within_s
-        for key in [key for key, at in self.answered.items() if at < horizon]:
+        for key in [key for key, (at, _) in self.answered.items() if at < horizon]:
             del self.answered[key]
-        continued = sum(1 for key in self.answered if _continues(prompt, key))
-        return len(self.answered) - continued, continued > 0
+        held = [tokens for key, (_, tokens) in self.answered.items() if _continues(prompt, key)]
+        return len(self.answered) - len(held), min(max(held, default=0), len(prompt))
 
     def returned(self, prompt: PromptIds) -> None:
         """Forgets the answered requests ``prompt`` continues: their next turn has come."""

@@ -63,7 +63,9 @@ class Candidate:
 
     replica_id: str
     cached_blocks: int  # leading prompt blocks the index says it holds (confirmed by its events)
-    predicted_blocks: int  # leading blocks counting the gateway's own predictions (>= cached_blocks)
+    # leading blocks counting the gateway's own predictions (>= cached_blocks): prompts it routed
+    # there, and the answer there to the conversation this request continues
+    predicted_blocks: int
     # From its last heartbeat, less this gateway's requests that finished since (gateway.routing):
     waiting_prefill_tokens: int
     running: int  # sequences running

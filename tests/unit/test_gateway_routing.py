@@ -249,6 +249,40 @@ def test_a_short_chats_next_turn_stays_before_the_answer_is_in_the_index(seed: i
     assert plan_next.winner == "holder"
 
 
+def test_a_chats_next_turn_counts_its_answer_as_cached_where_it_was_answered() -> None:
+    """Three chats on two replicas: chat X's first turn (93 tokens, 5 full blocks) was just
+    answered by "holder" in 24 tokens, while chat Y's first turn is in flight there with 45 tokens
+    of prefill to do; chat Z was answered by "other" and its next turn is awaited. X's next turn
+    (131 tokens) comes before the holder's events of X's answer: counting only X's last prompt as
+    cached there (80 tokens), the holder costs 131 - 80 + 64 + 45 = 160 against the other's
+    131 - 48 + 64 = 147 and X leaves. The answer is cached too, all but its last token: 116
+    tokens, 7 blocks, and X stays."""
+    router = new_router(make_policy("kv"), gateway_id=GATEWAY)
+    mirror, fleet, seed = router.mirror, router.fleet, model_seed("m", "fp")
+    opening = list(range(48))
+    for replica_id in ("holder", "other"):
+        mirror.index.add_replica(replica_id, "m")
+        mirror.index.stored(replica_id, PromptIds.of(opening).block_hashes(16, seed))
+    taken_at = time.time() - 0.2
+    replicas = [replica("holder", taken_at), replica("other", taken_at)]
+    chat_x = PromptIds.of([*opening, *range(500, 545)])
+    chat_z = PromptIds.of([*opening, *range(600, 645)])
+    route(router, replicas, chat_x)  # hears the heartbeats
+    holder, other = fleet.get("holder"), fleet.get("other")
+    assert holder is not None and other is not None
+    fleet.done(router.commit(route(router, replicas, chat_z), other, len(chat_z), 1), completion_tokens=24)
+    x_ticket = router.commit(route(router, replicas, chat_x), holder, len(chat_x), 1)
+    chat_y = PromptIds.of([*opening, *range(700, 745)])
+    router.commit(route(router, replicas, chat_y), holder, len(chat_y), 1)
+    fleet.done(x_ticket, completion_tokens=24)
+
+    x_next = PromptIds.of([*chat_x.ids, *range(900, 924), *range(950, 964)])  # answer, next message
+    plan = route(router, replicas, x_next)
+    costs = {s.replica_id: s.cost for s in plan.decision.scores}
+    assert costs == {"holder": 131 - 112 + 64 + 45, "other": 131 - 48 + 64}
+    assert plan.winner == "holder"
+
+
 class Answer:
     """An answer under way, as the fleet watches it: streaming (bytes came lately) or not."""
 
