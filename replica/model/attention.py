@@ -111,7 +111,7 @@ def paged_attention(
 def _prefill_group(
     q: torch.Tensor, new_kv: torch.Tensor, kv_cache: torch.Tensor, group: PrefillGroup, out: torch.Tensor
 ) -> None:
-    """One group's attention, written into its rows of ``out``: the native AMX kernel where the
+    """One group's attention, written into its rows of ``out``: the native kernel where the
     runner set ``offsets`` (it reads the pages itself); else a lone chunk is sliced, several are
     gathered into one batch and their rows scattered back."""
     count, length = group.count, group.length

@@ -1,6 +1,6 @@
 // Fused CPU kernels for the decoder's elementwise work (residual add with RMSNorm, the gated
 // activation SiLU(gate) * up, rotary embedding), for decode attention over the paged KV pool,
-// and, on CPUs with AMX tiles, for prefill attention over it. Eager PyTorch spends 3-12 ops on
+// and, on CPUs with AMX tiles or AVX512-BF16, for prefill attention over it. Eager PyTorch spends 3-12 ops on
 // each of the elementwise steps, one pass over memory and one dispatch apiece; here each is one
 // pass.
 //
@@ -21,7 +21,11 @@
 #define KVROUTE_AVX512 1
 #include <immintrin.h>
 #endif
-#if defined(KVROUTE_AVX512) && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// Prefill attention needs bf16 dot products: AVX512-BF16's, or AMX tiles' where there are some.
+#if defined(KVROUTE_AVX512) && defined(__AVX512BW__) && defined(__AVX512BF16__)
+#define KVROUTE_EXTEND 1
+#endif
+#if defined(KVROUTE_EXTEND) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define KVROUTE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -429,19 +433,23 @@ void decode_attention(const typename D::T* q, const typename D::T* kv, const int
   decode_tasks<D, 0>(q, kv, page_table, lengths, out, decodes, s, threads);
 }
 
-#if defined(KVROUTE_AMX)
-// Prefill attention on AMX tiles: ``count`` chunks of ``length`` new queries each, the tails of
+#if defined(KVROUTE_EXTEND)
+// Prefill attention: ``count`` chunks of ``length`` new queries each, the tails of
 // ``context``-key contexts read from the paged pool (the chunks' own K/V already written there),
 // each query seeing the keys up to its own position. Each KV head's context is packed once into
-// tile layout, then every 16 query rows of a head take 32-key blocks up to the last one they see
-// (SDPA's CPU kernel with a bottom-right mask computes the masked blocks too, and its small
-// matmuls run at a fraction of the tiles' speed): scores Q K^T and sums P V are bf16 tile
-// products accumulated in fp32, the softmax in fp32 with each row's exact maximum, its weights
-// rounded to bf16 for the second product (as SDPA's flash kernel does).
+// AMX's tile layout, then every 16 query rows of a head take 32-key blocks up to the last one
+// they see (SDPA's CPU kernel with a bottom-right mask computes the masked blocks too, and its
+// small matmuls run at a fraction of the tiles' speed): scores Q K^T and sums P V are bf16
+// products accumulated in fp32 (AMX tiles, else AVX512-BF16's pairwise dot products reading the
+// same layout), the softmax in fp32 with each row's exact maximum, its weights rounded to bf16
+// for the second product (as SDPA's flash kernel does).
 struct ExtendShape : DecodeShape {
   int64_t count, length, context;
 };
 
+constexpr int64_t QUERY_TILE = 16, KEY_BLOCK = 32;
+
+#if defined(KVROUTE_AMX)
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
   uint8_t start_row = 0;
@@ -450,13 +458,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-constexpr int64_t QUERY_TILE = 16, KEY_BLOCK = 32;
-
 // Linux hands out the tiles' state only on request (once per process; oneDNN asks the same).
 bool amx_permitted() {
   static const bool permitted = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
   return permitted;
 }
+#endif
 
 // r[i] (row i of a 16 x 16 matrix of 32-bit elements) becomes column i.
 inline void transpose16(__m512i r[16]) {
@@ -527,6 +534,7 @@ void pack_block(const uint16_t* kv, const int64_t* table, int64_t h, int64_t blo
   }
 }
 
+#if defined(KVROUTE_AMX)
 // GCC's tile intrinsics take literal tile numbers (they become register names), so the two
 // block steps below are macros, each used with two sets of tiles that alternate between blocks.
 
@@ -566,6 +574,88 @@ void pack_block(const uint16_t* kv, const int64_t* table, int64_t h, int64_t blo
       }                                                          \
     }                                                            \
   } while (0)
+#else
+inline __m512bh as_bf16_pairs(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// Without tiles: the scores of the 16 query rows (``query``, 2 * kPairs bf16 each) over one
+// block's 32 keys, one key per lane: for each pair of dims, the two packed key vectors (B tiles'
+// rows: 16 keys' pairs each) against each of eight rows' pair broadcast, 16 sums in registers.
+// The head size is a template argument so every row's pair is a fixed offset from one pointer.
+template <int64_t kPairs>
+inline void score_block(const uint16_t* query, const uint32_t* tile, float* dst, int64_t width) {
+  constexpr int64_t kRows = 8;
+  const uint32_t* pairs = reinterpret_cast<const uint32_t*>(query);
+  const uint32_t* high = tile + kPairs * 16;
+  for (int64_t first = 0; first < QUERY_TILE; first += kRows) {
+    __m512 low_sums[kRows], high_sums[kRows];
+    for (int64_t r = 0; r < kRows; ++r) low_sums[r] = high_sums[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < kPairs; ++p) {
+      const __m512bh low_keys = as_bf16_pairs(_mm512_loadu_si512(tile + p * 16));
+      const __m512bh high_keys = as_bf16_pairs(_mm512_loadu_si512(high + p * 16));
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int pair = static_cast<int>(pairs[(first + r) * kPairs + p]);
+        const __m512bh q = as_bf16_pairs(_mm512_set1_epi32(pair));
+        low_sums[r] = _mm512_dpbf16_ps(low_sums[r], q, low_keys);
+        high_sums[r] = _mm512_dpbf16_ps(high_sums[r], q, high_keys);
+      }
+    }
+    for (int64_t r = 0; r < kRows; ++r) {
+      _mm512_store_ps(dst + (first + r) * width, low_sums[r]);
+      _mm512_store_ps(dst + (first + r) * width + 16, high_sums[r]);
+    }
+  }
+}
+
+template <int64_t kPairs>
+void score_blocks(const uint16_t* query, const uint32_t* keys, int64_t blocks, float* scores, int64_t width) {
+  for (int64_t block = 0; block < blocks; ++block) {
+    score_block<kPairs>(query, keys + 2 * block * kPairs * 16, scores + block * KEY_BLOCK, width);
+  }
+}
+
+// Without tiles: P V of kRows rows' weights (bf16, ``width`` apart) over ``blocks`` blocks into
+// ``sums`` (64 floats a row: kChunks chunks of 16 dims), each value vector (two keys' values of
+// 16 dims, interleaved) read once for all the rows.
+template <int64_t kRows, int64_t kChunks>
+inline void value_rows(const uint16_t* weights, int64_t width, const uint16_t* values, int64_t value_chunks,
+                       int64_t blocks, float* sums) {
+  __m512 acc[kRows][kChunks];
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t c = 0; c < kChunks; ++c) acc[r][c] = _mm512_setzero_ps();
+  }
+  for (int64_t block = 0; block < blocks; ++block) {
+    const uint16_t* tile = values + block * value_chunks * 512;
+    const uint16_t* block_weights = weights + block * KEY_BLOCK;
+    for (int64_t pair = 0; pair < KEY_BLOCK / 2; ++pair) {
+      __m512bh value[kChunks];
+      for (int64_t c = 0; c < kChunks; ++c) value[c] = as_bf16_pairs(_mm512_loadu_si512(tile + c * 512 + pair * 32));
+      for (int64_t r = 0; r < kRows; ++r) {
+        uint32_t both;
+        __builtin_memcpy(&both, block_weights + r * width + 2 * pair, 4);
+        const __m512bh weight = as_bf16_pairs(_mm512_set1_epi32(static_cast<int>(both)));
+        for (int64_t c = 0; c < kChunks; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], weight, value[c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t c = 0; c < kChunks; ++c) _mm512_store_ps(sums + r * 64 + 16 * c, acc[r][c]);
+  }
+}
+
+// The ``rows`` real rows of a query tile (rows past them, up to 16, may be computed for nothing):
+// six at a time, then four.
+template <int64_t kChunks>
+void value_tile(const uint16_t* weights, int64_t width, const uint16_t* values, int64_t value_chunks,
+                int64_t blocks, int64_t rows, float* sums) {
+  int64_t r = 0;
+  for (; r + 6 <= rows || rows - r > 4; r += 6) {
+    value_rows<6, kChunks>(weights + r * width, width, values, value_chunks, blocks, sums + r * 64);
+  }
+  for (; r < rows; r += 4) {
+    value_rows<4, kChunks>(weights + r * width, width, values, value_chunks, blocks, sums + r * 64);
+  }
+}
+#endif
 
 // Sixteen query rows against the keys they see, in three passes with exact row maxima (no
 // running rescale): every score of the rows (tiles Q K^T, stored), their softmax (AVX-512), then
@@ -575,6 +665,7 @@ void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint3
                  const ExtendShape& s, float* scores, uint16_t* weights, uint16_t* out, int64_t out_stride) {
   const int64_t offset = s.context - s.length, key_chunks = s.dim / 32, value_chunks = s.dim / 16;
   const int64_t blocks = (offset + first + rows - 1) / KEY_BLOCK + 1, width = blocks * KEY_BLOCK;
+#if defined(KVROUTE_AMX)
   // The query's 32-dim chunks stay in tiles 2-5 (head sizes up to 128), scores of 32 keys in 0-1
   // (and, up to 64 dims, the next 32 keys' in 4-5 meanwhile).
   _tile_loadd(2, query, s.dim * 2);
@@ -590,6 +681,14 @@ void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint3
       KVROUTE_SCORE_BLOCK(0, 1, tile, key_chunks, dst, width * 4);
     }
   }
+#else
+  switch (key_chunks) {  // extend_attention_supported: head sizes of 32, 64, 96 or 128
+    case 1: score_blocks<16>(query, keys, blocks, scores, width); break;
+    case 2: score_blocks<32>(query, keys, blocks, scores, width); break;
+    case 3: score_blocks<48>(query, keys, blocks, scores, width); break;
+    default: score_blocks<64>(query, keys, blocks, scores, width); break;
+  }
+#endif
   // Scores go to base 2 with the scale folded in: p = 2^(t - max t), t = score * scale * log2(e).
   const __m512 scale = _mm512_set1_ps(s.scale * 1.44269504088896341f), minus_inf = _mm512_set1_ps(-INFINITY);
   float total[QUERY_TILE];
@@ -618,6 +717,7 @@ void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint3
   alignas(64) float sums[QUERY_TILE * 64];
   for (int64_t c0 = 0; c0 < value_chunks; c0 += 4) {
     const int64_t chunks = value_chunks - c0 < 4 ? value_chunks - c0 : 4;
+#if defined(KVROUTE_AMX)
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -634,6 +734,13 @@ void extend_rows(const uint16_t* query, int64_t rows, int64_t first, const uint3
     _tile_stored(1, sums + 16, 256);
     _tile_stored(2, sums + 32, 256);
     _tile_stored(3, sums + 48, 256);
+#else
+    if (chunks == 4) {  // head sizes of 64 and 128 (and 96's first 64 dims); else 32 dims left
+      value_tile<4>(weights, width, values + c0 * 512, value_chunks, blocks, rows, sums);
+    } else {
+      value_tile<2>(weights, width, values + c0 * 512, value_chunks, blocks, rows, sums);
+    }
+#endif
     for (int64_t r = 0; r < rows; ++r) {
       const float inv = 1.0f / total[r];
       uint16_t* dst = out + (first + r) * out_stride + 16 * c0;
@@ -674,12 +781,14 @@ void extend_attention(const uint16_t* q, const uint16_t* kv, const int64_t* page
       pack_block(kv, page_table + (task / s.kv_heads) * s.width, task % s.kv_heads, item % blocks, s,
                  keys + task * packed / 2, values + task * packed);
     }
+#if defined(KVROUTE_AMX)
     TileConfig config;
     for (int t = 0; t < 8; ++t) {
       config.rows[t] = 16;
       config.colsb[t] = 64;
     }
     _tile_loadconfig(&config);
+#endif
     // 64-byte aligned (AVX-512 aligned loads); sizes are multiples of 64 bytes.
     float* scores = reinterpret_cast<float*>(scratch(2, QUERY_TILE * blocks * KEY_BLOCK * 4));
     uint16_t* weights = reinterpret_cast<uint16_t*>(scratch(3, QUERY_TILE * blocks * KEY_BLOCK * 2));
@@ -696,7 +805,9 @@ void extend_attention(const uint16_t* q, const uint16_t* kv, const int64_t* page
       extend_rows(query, rows, first, keys + context_task * packed / 2, values + context_task * packed, s, scores,
                   weights, out + (starts[c] * s.heads + head) * s.dim, s.heads * s.dim);
     }
+#if defined(KVROUTE_AMX)
     _tile_release();
+#endif
   }
 }
 #endif
@@ -740,17 +851,20 @@ extern "C" {
 KVROUTE_EXPORT(f32, Fp32)
 KVROUTE_EXPORT(bf16, Bf16)
 
-// Whether extend_attention_bf16 runs for this head size: built with AMX, tiles permitted.
+// Whether extend_attention_bf16 runs for this head size: built with AMX (tiles permitted) or
+// AVX512-BF16.
 int extend_attention_supported(int64_t dim) {
 #if defined(KVROUTE_AMX)
   return dim % 32 == 0 && dim <= 128 && amx_permitted();
+#elif defined(KVROUTE_EXTEND)
+  return dim % 32 == 0 && dim <= 128;
 #else
   (void)dim;
   return 0;
 #endif
 }
 
-// Prefill attention on AMX tiles (bf16, head sizes a multiple of 32 up to 128), its arguments
+// Prefill attention on AMX tiles or AVX512-BF16 (bf16, head sizes a multiple of 32 up to 128), its arguments
 // as decode_attention's (``starts`` where that has ``lengths``), then each chunk's length and
 // context: returns 0 where extend_attention_supported does not hold, having written nothing.
 int extend_attention_bf16(const void* q, const void* kv, const int64_t* page_table, const int64_t* starts, void* out,
@@ -758,7 +872,7 @@ int extend_attention_bf16(const void* q, const void* kv, const int64_t* page_tab
                           int64_t page_size, int64_t width, int64_t q_stride, float scale, int threads,
                           int64_t length, int64_t context) {
   if (!extend_attention_supported(dim)) return 0;
-#if defined(KVROUTE_AMX)
+#if defined(KVROUTE_EXTEND)
   const ExtendShape shape{{heads, kv_heads, dim, pages, page_size, width, q_stride, scale}, count, length, context};
   extend_attention(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(kv), page_table, starts,
                    static_cast<uint16_t*>(out), shape, threads);

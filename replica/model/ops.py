@@ -106,8 +106,8 @@ def decode_attention(
 
 
 def native_prefill_attention(dtype: torch.dtype, device: torch.device | str, head_dim: int) -> bool:
-    """Whether :func:`extend_attention` runs here: bf16 on a CPU with AMX tiles, the kernels built
-    for them, a head size they take."""
+    """Whether :func:`extend_attention` runs here: bf16 on a CPU with AMX tiles or AVX512-BF16,
+    the kernels built for it, a head size they take."""
     library = kernels() if torch.device(device).type == "cpu" and dtype == torch.bfloat16 else None
     return library is not None and bool(library.extend_attention_supported(head_dim))
 

@@ -1,7 +1,8 @@
-"""Prefill attention on AMX tiles (``ops.extend_attention``) against SDPA in fp64: chunks that fill
-their pages or end inside one, the tails of longer contexts read from scattered pages, a cache
-hit's few tokens after a long prefix, single tokens, several chunks of one shape in one call (each
-the same alone), and the head sizes it takes or leaves to SDPA. Runs only on CPUs with AMX."""
+"""Prefill attention on AMX tiles or AVX512-BF16 (``ops.extend_attention``) against SDPA in fp64:
+chunks that fill their pages or end inside one, the tails of longer contexts read from scattered
+pages, a cache hit's few tokens after a long prefix, single tokens, several chunks of one shape in
+one call (each the same alone), and the head sizes it takes or leaves to SDPA. Runs only on CPUs
+with one of the two (the kernel takes AMX's tiles where both are)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ KV_HEADS, HEADS, PAGE_SIZE, PAGES = 3, 9, 16, 512
 @pytest.fixture(autouse=True)
 def needs_amx() -> None:
     if not ops.native_prefill_attention(torch.bfloat16, "cpu", 64):
-        pytest.skip("no AMX tiles on this CPU (or no compiler): prefill attention is SDPA's here")
+        pytest.skip("no AMX or AVX512-BF16 on this CPU (or no compiler): prefill attention is torch's here")
 
 
 def _attend(
@@ -49,7 +50,7 @@ def _attend(
         (37, 101),
     ],
 )
-@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 96, 128])
 @pytest.mark.parametrize("count", [1, 3])
 def test_extend_attention_matches_sdpa(length: int, context: int, dim: int, count: int) -> None:
     generator = torch.Generator().manual_seed(length * 1000 + context + dim)
