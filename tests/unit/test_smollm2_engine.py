@@ -34,15 +34,29 @@ def test_answers_paris(smollm2_dir: Path, dtype: str) -> None:
     engine.check_integrity()
 
 
-def test_bf16_logits_track_transformers_bf16(smollm2_dir: Path) -> None:
-    """30 layers amplify low-precision shortcuts (e.g. normalising in bf16) that 2 layers hide."""
+def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16(smollm2_dir: Path) -> None:
+    """30 layers amplify low-precision shortcuts (e.g. normalising in bf16) that 2 layers hide.
+    Measured against transformers' fp32 run, the engine's bf16 logits must be as close as
+    transformers' own bf16 (eager) run: to the bit where every op rounds as eager's does, closer
+    where prefill attention is the native kernel (its scores stay fp32; eager rounds them to bf16,
+    0.04 of the largest logit apart from fp32 here, against the kernel's 0.014)."""
     engine = LLMEngine(EngineConfig(model=smollm2_dir, dtype="bfloat16", kv_cache_tokens=2048))
     prompt = engine.tokenizer.encode_chat(QUESTION)
     ours = run_chunk(engine, start(engine, prompt), len(prompt))
-    reference = AutoModelForCausalLM.from_pretrained(
-        smollm2_dir, dtype=torch.bfloat16, attn_implementation="eager"
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        reference = AutoModelForCausalLM.from_pretrained(
+            smollm2_dir, dtype=dtype, attn_implementation="eager"
+        )
+        with torch.no_grad():
+            logits[dtype] = reference(torch.tensor([prompt])).logits[0, -1].float()
+    exact = logits[torch.float32]
+
+    def error(got: torch.Tensor) -> float:
+        return ((got - exact).abs().max() / exact.abs().max()).item()
+
+    theirs = error(logits[torch.bfloat16])
+    assert 0 < theirs < 0.06, "transformers' bf16 is off fp32 as bf16 is"
+    assert error(ours) <= theirs + 1e-3, (
+        f"relative error {error(ours):.4f} against transformers' {theirs:.4f}"
     )
-    with torch.no_grad():
-        theirs = reference(torch.tensor([prompt])).logits[0, -1].float()
-    error = ((ours - theirs).abs().max() / theirs.abs().max()).item()
-    assert error < 0.03, f"relative error {error:.3f}"
