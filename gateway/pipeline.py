@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from array import array
 from contextlib import aclosing
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -185,7 +186,7 @@ class Pipeline:
     ) -> _Dispatched:
         """Sends the request down the plan's order until a replica answers, counted in flight on
         the replica that does."""
-        forward, client_wants_usage = forwarded_body(raw, body)
+        forward, client_wants_usage = forwarded_body(raw, body, _prompt_ids_to_forward(body, plan))
         # Count the request on the winner before awaiting anything: decisions taken meanwhile (a
         # burst of requests with one new prefix) must see its load and its predicted blocks.
         replica = plan.ordered[0]
@@ -339,6 +340,21 @@ class Pipeline:
                 sent.metrics.ttft.observe(relay.first_event_at - sent.started)
             sent.metrics.e2e.observe(time.monotonic() - sent.started)
             self.metrics.answered(sent.metrics, replica, sent.predicted, relay.usage)
+
+
+def _prompt_ids_to_forward(
+    body: ChatCompletionRequest | CompletionRequest, plan: RoutePlan
+) -> array[int] | None:
+    """The prompt's ids as this gateway tokenized them, for the replica to serve instead of
+    tokenizing it again: a single prompt (a batch was tokenized for its first prompt only), and
+    only where every replica the request may go to takes them (``Replica.takes_prompt_ids``) with
+    the tokenizer they were computed with."""
+    if isinstance(body, CompletionRequest) and len(body.prompt) != 1:
+        return None
+    fingerprint = plan.roster.fingerprint
+    if all(r.takes_prompt_ids and r.fingerprint == fingerprint for r in plan.ordered):
+        return plan.prompt.ids
+    return None
 
 
 def _broken_off(replica: Replica, why: str) -> bytes:

@@ -214,6 +214,13 @@ class Replica:
         return heartbeat.tokenizer_url
 
     @property
+    def takes_prompt_ids(self) -> bool:
+        """Whether it serves a request's ``kvroute_prompt_ids`` (kvroute.protocol.PROMPT_IDS_FIELD):
+        a kvroute replica does; a vLLM server, whose bridge names the tokenizer's URL apart from
+        the server's, would ignore them."""
+        return self.tokenizer_url == self.url
+
+    @property
     def ejected(self) -> bool:
         return self.ejected_url is not None
 

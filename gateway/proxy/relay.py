@@ -18,12 +18,12 @@ from typing import Any
 from gateway.proxy.connection import UpstreamError, UpstreamResponse
 from gateway.proxy.upstream import UpstreamPool
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest
+from kvroute.protocol import PROMPT_IDS_FIELD
 
 RETRYABLE_STATUSES = frozenset({503})  # the replica is draining or its engine is down
 JSON_CONTENT = b"application/json"
 _USAGE_EVENT_MARK = b'"choices":[]'  # the replica's compact JSON for the usage-only chunk
 _DONE_EVENT = b"data: [DONE]"
-_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
 
 
 class UpstreamUnavailable(Exception):
@@ -85,21 +85,31 @@ async def open_upstream(
     raise UpstreamUnavailable(failures)
 
 
-def forwarded_body(raw: bytes, body: ChatCompletionRequest | CompletionRequest) -> tuple[bytes, bool]:
+def forwarded_body(
+    raw: bytes, body: ChatCompletionRequest | CompletionRequest, prompt_ids: Sequence[int] | None = None
+) -> tuple[bytes, bool]:
     """The request body to forward (a stream always asks for usage), and whether the client asked.
+    ``prompt_ids``: the prompt's token ids, for a replica that takes them (``PROMPT_IDS_FIELD``).
 
-    The client's bytes go through untouched unless usage has to be asked for on its behalf; then,
-    when the body has no ``stream_options`` member (not even ``null``), one is appended to the JSON
-    object as it stands, else the object is re-encoded.
+    The client's bytes go through untouched unless members have to be added: usage asked for on
+    the client's behalf, the prompt's ids. Members the body does not name (not even as ``null``)
+    are appended to the JSON object as it stands; else the object is re-encoded.
     """
-    if not body.stream or body.include_usage:
-        return raw, True  # non-streaming replies always carry usage
-    if body.stream_options is None and b'"stream_options"' not in raw:
-        return raw.rstrip()[:-1] + _ASK_USAGE, False  # a non-empty object: it holds "model"
+    client_asked = not body.stream or body.include_usage  # non-streaming replies always carry usage
+    added: dict[str, Any] = {}
+    if not client_asked:
+        added["stream_options"] = {"include_usage": True}
+    if prompt_ids is not None:
+        added[PROMPT_IDS_FIELD] = list(prompt_ids)
+    if not added:
+        return raw, client_asked
+    if all(b'"%s"' % name.encode() not in raw for name in added):  # a non-empty object: it holds "model"
+        return raw.rstrip()[:-1] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:], client_asked
     payload = json.loads(raw)
-    options = payload.get("stream_options") or {}
-    payload["stream_options"] = {**options, "include_usage": True}
-    return json.dumps(payload).encode(), False
+    if not client_asked:
+        added["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
+    payload.update(added)
+    return json.dumps(payload).encode(), client_asked
 
 
 class SSERelay:

@@ -191,6 +191,8 @@ class _GenerationRequest(_TopLevel):
     user: str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # The prompt's token ids as a kvroute gateway computed them (kvroute.protocol.PROMPT_IDS_FIELD)
+    kvroute_prompt_ids: list[Annotated[int, Field(ge=0)]] | None = Field(None, min_length=1)
 
     @field_validator("stop", mode="plain")
     @classmethod
@@ -321,6 +323,12 @@ class CompletionRequest(_GenerationRequest):
 
     def check(self) -> None:
         super().check()
+        if self.kvroute_prompt_ids is not None and len(self.prompt) > 1:
+            raise APIError(
+                "Invalid 'kvroute_prompt_ids': it stands for a single prompt, not a batch.",
+                param="kvroute_prompt_ids",
+                code="invalid_value",
+            )
         if self.echo:
             raise APIError("echo is not supported by this server.", param="echo", code="unsupported_value")
 

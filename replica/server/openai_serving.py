@@ -19,7 +19,7 @@ from starlette.types import Receive, Scope, Send
 from kvroute.http import CLIENT_CLOSED_REQUEST, unless_client_leaves
 from kvroute.openai_api.errors import APIError
 from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, Prompt
-from kvroute.protocol import GATEWAY_ID_HEADER, is_gateway_id
+from kvroute.protocol import GATEWAY_ID_HEADER, PROMPT_IDS_FIELD, is_gateway_id
 from kvroute.text.bounds import refuse_surely_too_long
 from kvroute.text.prompt_ids import PromptEncoder
 from replica.engine.async_engine import AsyncEngine
@@ -129,12 +129,7 @@ class OpenAIServing:
 
     async def chat(self, request: ChatCompletionRequest, raw: Request) -> Response:
         self._refuse_surely_too_long(request)
-        messages, tools, template_kwargs = request.template_inputs()
-        try:
-            encoded = await self.prompts.encode_chat(self.engine.tokenizer, messages, tools, template_kwargs)
-        except ValueError as error:
-            raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
-        prompt = encoded.ids.tolist()
+        prompt = await self._chat_ids(request)
         shape = ChatShape(
             self.engine.tokenizer,
             request.model,
@@ -154,10 +149,12 @@ class OpenAIServing:
             with_logprobs=request.logprobs is not None,
             continuous_usage=request.continuous_usage,
         )
-        specs = [
-            self._spec(shape, request, await self._prompt_ids(prompt), request.max_tokens, request.logprobs)
-            for prompt in request.prompt
-        ]
+        if (given := request.kvroute_prompt_ids) is not None:  # one prompt (CompletionRequest.check)
+            self._check_vocab(given, PROMPT_IDS_FIELD)
+            prompts = [given]
+        else:
+            prompts = [await self._prompt_ids(prompt) for prompt in request.prompt]
+        specs = [self._spec(shape, request, ids, request.max_tokens, request.logprobs) for ids in prompts]
         return await self._serve(shape, request.stream, specs, raw)
 
     async def _serve(
@@ -172,6 +169,18 @@ class OpenAIServing:
     def _refuse_surely_too_long(self, request: ChatCompletionRequest | CompletionRequest) -> None:
         engine = self.engine
         refuse_surely_too_long(request, engine.tokenizer, engine.max_model_len, self.max_prompt_chars)
+
+    async def _chat_ids(self, request: ChatCompletionRequest) -> list[int]:
+        """The rendered chat's ids: those the gateway sent, else tokenized here."""
+        if (given := request.kvroute_prompt_ids) is not None:
+            self._check_vocab(given, PROMPT_IDS_FIELD)
+            return given
+        messages, tools, template_kwargs = request.template_inputs()
+        try:
+            encoded = await self.prompts.encode_chat(self.engine.tokenizer, messages, tools, template_kwargs)
+        except ValueError as error:
+            raise APIError(f"Invalid 'messages': {error}", param="messages", code="invalid_value") from None
+        return encoded.ids.tolist()
 
     async def _prompt_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

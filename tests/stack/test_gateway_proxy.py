@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -110,6 +111,27 @@ async def test_closing_the_relay_aborts_the_replica_request(replica: ReplicaProc
         "the replica to stop generating once the relay was closed",
         timeout=10,
     )
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("clients_own", [False, True])
+def test_forwarded_bodies_carry_the_gateways_prompt_ids(stream: bool, clients_own: bool) -> None:
+    """The ids the gateway routed on go to the replica as one ``kvroute_prompt_ids`` member, in
+    place of any the client sent, beside the usage asked for on its behalf."""
+    payload: dict[str, object] = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": stream,
+    }
+    if clients_own:
+        payload["kvroute_prompt_ids"] = [7, 7, 7]
+    raw = json.dumps(payload).encode()
+    body, client_asked = forwarded_body(raw, parse_request(ChatCompletionRequest, raw), array("I", [1, 2, 3]))
+    assert client_asked is not stream
+    sent = json.loads(body)
+    assert sent.pop("kvroute_prompt_ids") == [1, 2, 3] and body.count(b'"kvroute_prompt_ids"') == 1
+    assert sent.pop("stream_options", None) == ({"include_usage": True} if stream else None)
+    assert sent == {key: value for key, value in payload.items() if key != "kvroute_prompt_ids"}
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,27 @@ def test_tokenize_and_detokenize(client: OpenAI, http: httpx.Client, llama_dir: 
     assert usage is not None and usage.prompt_tokens == counted["count"]
 
 
+def test_a_gateways_prompt_ids_are_served_without_tokenizing_again(
+    http: httpx.Client, llama_dir: Path
+) -> None:
+    """What a gateway sends with a request it tokenized to route (``kvroute_prompt_ids``) is the
+    prompt the replica serves: here ids that differ from the messages' own, so the usage and the
+    greedy answer show which prompt ran."""
+    tokenizer = TextTokenizer.from_dir(llama_dir)
+    messages = [{"role": "user", "content": "one short question"}]
+    other = tokenizer.encode_chat([{"role": "user", "content": "a different, somewhat longer question"}])
+    greedy = {"model": MODEL, "max_tokens": 4, "temperature": 0, **LONG}
+    sent = http.post(
+        "/v1/chat/completions", json={**greedy, "messages": messages, "kvroute_prompt_ids": other}
+    )
+    assert sent.status_code == 200, sent.text
+    assert sent.json()["usage"]["prompt_tokens"] == len(other) != len(tokenizer.encode_chat(messages))
+    as_ids = http.post("/v1/completions", json={**greedy, "prompt": other}).json()
+    assert sent.json()["choices"][0]["message"]["content"] == as_ids["choices"][0]["text"]
+    completion = http.post("/v1/completions", json={**greedy, "prompt": "x", "kvroute_prompt_ids": other})
+    assert completion.json()["usage"]["prompt_tokens"] == len(other)
+
+
 # --- chat ----------------------------------------------------------------------------------------
 
 
@@ -339,6 +360,9 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         (json.dumps({**CHAT, "n": 0}).encode(), "n"),
         (json.dumps({**CHAT, "max_tokens": MAX_MODEL_LEN}).encode(), "messages"),
         (json.dumps({**CHAT, "stop_token_ids": [10**6]}).encode(), "stop_token_ids"),
+        (json.dumps({**CHAT, "kvroute_prompt_ids": [10**6]}).encode(), "kvroute_prompt_ids"),
+        (json.dumps({**CHAT, "kvroute_prompt_ids": []}).encode(), "kvroute_prompt_ids"),
+        (json.dumps({**CHAT, "kvroute_prompt_ids": [-1]}).encode(), "kvroute_prompt_ids[0]"),
     ],
 )
 def test_bad_chat_input_is_a_400(http: httpx.Client, body: bytes, param: str | None) -> None:
@@ -354,6 +378,7 @@ def test_bad_chat_input_is_a_400(http: httpx.Client, body: bytes, param: str | N
         ({"model": MODEL, "prompt": "x", "echo": True}, "echo"),
         ({"model": MODEL, "prompt": "x" * 8, "max_tokens": MAX_MODEL_LEN}, "prompt"),
         ({"model": MODEL, "prompt": [[1], "a"]}, "prompt"),
+        ({"model": MODEL, "prompt": ["a", "b"], "kvroute_prompt_ids": [1]}, "kvroute_prompt_ids"),
     ],
 )
 def test_bad_completions_input_is_a_400(http: httpx.Client, body: dict[str, Any], param: str) -> None:

@@ -5,6 +5,7 @@ since it was taken."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 
@@ -13,8 +14,10 @@ import pytest
 from gateway.fleet.fleet import Fleet
 from gateway.index.mirror import IndexMirror
 from gateway.index.snapshots import ReplicaHeartbeat
+from gateway.pipeline import _prompt_ids_to_forward
 from gateway.policies import Policy, make_policy
 from gateway.routing import RoutePlan, Router
+from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
 from kvroute.protocol import model_seed
 from kvroute.text.prompt_ids import PromptIds
 
@@ -327,3 +330,21 @@ def test_a_replica_that_leaves_the_index_keeps_its_streams_while_they_flow() -> 
     for _ in range(3):
         fleet.failed(b, "connection reset")
     assert other.given_up is not None and "ejected" in other.given_up
+
+
+def test_the_prompt_ids_go_along_only_to_replicas_that_take_them() -> None:
+    """A kvroute replica serves the ids the gateway routed on instead of tokenizing again; a vLLM
+    server (its bridge names the tokenizer's URL apart) would ignore them, and a batch of
+    completions prompts was tokenized for its first prompt only."""
+    router = new_router(make_policy("kv"))
+    prompt = PromptIds.of(range(40))
+    chat = parse_request(
+        ChatCompletionRequest, b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}'
+    )
+    batch = parse_request(CompletionRequest, b'{"model": "m", "prompt": ["a", "b"]}')
+    kvroute_only = route(router, [replica("a", time.time()), replica("b", time.time())], prompt)
+    assert _prompt_ids_to_forward(chat, kvroute_only) is prompt.ids
+    assert _prompt_ids_to_forward(batch, kvroute_only) is None
+    bridged = dataclasses.replace(replica("b", time.time()), tokenizer_url="http://bridge")
+    mixed = route(router, [replica("a", time.time()), bridged], prompt)
+    assert _prompt_ids_to_forward(chat, mixed) is None
