@@ -219,6 +219,19 @@ def test_a_chat_just_answered_keeps_its_place_for_its_next_turn() -> None:
     assert route(router, replicas, chat_a).winner == "holder"
 
 
+def sharing_an_opening(
+    router: Router, replica_ids: tuple[str, str]
+) -> tuple[list[ReplicaHeartbeat], list[int]]:
+    """Two replicas that both hold a chat template's opening (three blocks), and their heartbeats,
+    taken just before the requests to come; returns those and the opening."""
+    opening = list(range(48))
+    for replica_id in replica_ids:
+        router.mirror.index.add_replica(replica_id, "m")
+        router.mirror.index.stored(replica_id, PromptIds.of(opening).block_hashes(16, model_seed("m", "fp")))
+    taken_at = time.time() - 0.2
+    return [replica(replica_id, taken_at) for replica_id in replica_ids], opening
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_a_short_chats_next_turn_stays_before_the_answer_is_in_the_index(seed: int) -> None:
     """Chat B's first turn is short: its only full blocks are the template's opening, which both
@@ -228,13 +241,8 @@ def test_a_short_chats_next_turn_stays_before_the_answer_is_in_the_index(seed: i
     which shares the opening but not B's prompt, continues nothing there: B's awaited turn keeps
     counting as load for it, and A goes to the idle replica."""
     router = new_router(make_policy("kv", rng=random.Random(seed)), gateway_id=GATEWAY)
-    mirror, fleet, hash_seed = router.mirror, router.fleet, model_seed("m", "fp")
-    opening = list(range(48))
-    for replica_id in ("holder", "idle"):
-        mirror.index.add_replica(replica_id, "m")
-        mirror.index.stored(replica_id, PromptIds.of(opening).block_hashes(16, hash_seed))
-    taken_at = time.time() - 0.2
-    replicas = [replica("holder", taken_at), replica("idle", taken_at)]
+    fleet = router.fleet
+    replicas, opening = sharing_an_opening(router, ("holder", "idle"))
     chat_b = PromptIds.of([*opening, *range(500, 510)])  # 58 tokens: the opening's 3 full blocks
     plan_b = route(router, replicas, chat_b)
     holder = fleet.get("holder")
@@ -261,13 +269,8 @@ def test_a_chats_next_turn_counts_its_answer_as_cached_where_it_was_answered() -
     131 - 48 + 64 = 147 and X leaves. The answer is cached too, all but its last token: 116
     tokens, 7 blocks, and X stays."""
     router = new_router(make_policy("kv"), gateway_id=GATEWAY)
-    mirror, fleet, seed = router.mirror, router.fleet, model_seed("m", "fp")
-    opening = list(range(48))
-    for replica_id in ("holder", "other"):
-        mirror.index.add_replica(replica_id, "m")
-        mirror.index.stored(replica_id, PromptIds.of(opening).block_hashes(16, seed))
-    taken_at = time.time() - 0.2
-    replicas = [replica("holder", taken_at), replica("other", taken_at)]
+    fleet = router.fleet
+    replicas, opening = sharing_an_opening(router, ("holder", "other"))
     chat_x = PromptIds.of([*opening, *range(500, 545)])
     chat_z = PromptIds.of([*opening, *range(600, 645)])
     route(router, replicas, chat_x)  # hears the heartbeats
