@@ -186,7 +186,10 @@ class Pipeline:
     ) -> _Dispatched:
         """Sends the request down the plan's order until a replica answers, counted in flight on
         the replica that does."""
-        forward, client_wants_usage = forwarded_body(raw, body, _prompt_ids_to_forward(body, plan))
+        ids = _prompt_ids_to_forward(body, plan)
+        if ids is not None and len(raw) + _ID_BYTES * len(ids) > self.request_limits.max_body_bytes:
+            ids = None  # the replica's body limit is the gateway's (the same flag): the body fits as sent
+        forward, client_wants_usage = forwarded_body(raw, body, ids)
         # Count the request on the winner before awaiting anything: decisions taken meanwhile (a
         # burst of requests with one new prefix) must see its load and its predicted blocks.
         replica = plan.ordered[0]
@@ -340,6 +343,9 @@ class Pipeline:
                 sent.metrics.ttft.observe(relay.first_event_at - sent.started)
             sent.metrics.e2e.observe(time.monotonic() - sent.started)
             self.metrics.answered(sent.metrics, replica, sent.predicted, relay.usage)
+
+
+_ID_BYTES = len(b"4294967295,")  # the most one forwarded token id adds to the body
 
 
 def _prompt_ids_to_forward(
