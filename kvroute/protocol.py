@@ -193,8 +193,7 @@ PROMPT_IDS_FIELD = "kvroute_prompt_ids"
 """A request body member a gateway adds for a kvroute replica of its tokenizer's fingerprint: the
 prompt's token ids as the gateway computed them to route it (a chat's rendered template, a
 completions request's single text prompt). The replica serves those ids instead of tokenizing the
-prompt a second time; on a busy two-core host that second pass put most of the gateway's cost on a
-cache hit's time to first token."""
+prompt a second time (docs/PROTOCOL.md says when they are sent)."""
 
 _GATEWAY_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 

@@ -288,7 +288,7 @@ class Fleet:
 
     def done(self, ticket: int, completion_tokens: int = 0) -> None:
         """The request is over (ignored for a ticket already done); ``completion_tokens`` from its
-        usage, where the answer came whole."""
+        answer's usage, where one came."""
         replica = self._flying.pop(ticket, None)
         if replica is not None:
             replica.flights.remove(ticket, completion_tokens)

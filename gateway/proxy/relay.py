@@ -91,21 +91,25 @@ def forwarded_body(
     """The request body to forward (a stream always asks for usage), and whether the client asked.
     ``prompt_ids``: the prompt's token ids, for a replica that takes them (``PROMPT_IDS_FIELD``).
 
-    The client's bytes go through untouched unless members have to be added: usage asked for on
-    the client's behalf, the prompt's ids. Members the body does not name (not even as ``null``)
-    are appended to the JSON object as it stands; else the object is re-encoded.
+    The client's bytes go through untouched unless members have to be added (usage asked for on
+    the client's behalf, the prompt's ids) or taken out (ids a client sent itself: the replica
+    serves only the ones this gateway routed on). Members the body does not name (not even as
+    ``null``) are appended to the JSON object as it stands; else the object is re-encoded.
     """
     client_asked = not body.stream or body.include_usage  # non-streaming replies always carry usage
+    clients_ids = body.kvroute_prompt_ids is not None
     added: dict[str, Any] = {}
     if not client_asked:
         added["stream_options"] = {"include_usage": True}
     if prompt_ids is not None:
         added[PROMPT_IDS_FIELD] = list(prompt_ids)
-    if not added:
+    if not added and not clients_ids:
         return raw, client_asked
-    if all(b'"%s"' % name.encode() not in raw for name in added):  # a non-empty object: it holds "model"
+    if not clients_ids and all(b'"%s"' % name.encode() not in raw for name in added):
+        # a non-empty object (it holds "model"): its closing brace makes room for the members
         return raw.rstrip()[:-1] + b"," + json.dumps(added, separators=(",", ":")).encode()[1:], client_asked
     payload = json.loads(raw)
+    payload.pop(PROMPT_IDS_FIELD, None)
     if not client_asked:
         added["stream_options"] = {**(payload.get("stream_options") or {}), "include_usage": True}
     payload.update(added)

@@ -1,8 +1,8 @@
 // Fused CPU kernels for the decoder's elementwise work (residual add with RMSNorm, the gated
 // activation SiLU(gate) * up, rotary embedding), for decode attention over the paged KV pool,
-// and, on CPUs with AMX tiles or AVX512-BF16, for prefill attention over it. Eager PyTorch spends 3-12 ops on
-// each of the elementwise steps, one pass over memory and one dispatch apiece; here each is one
-// pass.
+// and, on CPUs with AMX tiles or AVX512-BF16, for prefill attention over it. Eager PyTorch
+// spends 3-12 ops on each of the elementwise steps, one pass over memory and one dispatch apiece;
+// here each is one pass.
 //
 // Every kernel rounds where the eager ops round (to the model's dtype after each op, fp32 inside
 // RMSNorm), so a bf16 result carries the same roundings as transformers' eager code; the

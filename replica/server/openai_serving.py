@@ -149,8 +149,7 @@ class OpenAIServing:
             with_logprobs=request.logprobs is not None,
             continuous_usage=request.continuous_usage,
         )
-        if (given := request.kvroute_prompt_ids) is not None:  # one prompt (CompletionRequest.check)
-            self._check_vocab(given, PROMPT_IDS_FIELD)
+        if (given := self._gateway_ids(request)) is not None:  # one prompt (CompletionRequest.check)
             prompts = [given]
         else:
             prompts = [await self._prompt_ids(prompt) for prompt in request.prompt]
@@ -170,10 +169,16 @@ class OpenAIServing:
         engine = self.engine
         refuse_surely_too_long(request, engine.tokenizer, engine.max_model_len, self.max_prompt_chars)
 
+    def _gateway_ids(self, request: ChatCompletionRequest | CompletionRequest) -> list[int] | None:
+        """The prompt's ids as a gateway sent them (``PROMPT_IDS_FIELD``), checked, if it did."""
+        given = request.kvroute_prompt_ids
+        if given is not None:
+            self._check_vocab(given, PROMPT_IDS_FIELD)
+        return given
+
     async def _chat_ids(self, request: ChatCompletionRequest) -> list[int]:
         """The rendered chat's ids: those the gateway sent, else tokenized here."""
-        if (given := request.kvroute_prompt_ids) is not None:
-            self._check_vocab(given, PROMPT_IDS_FIELD)
+        if (given := self._gateway_ids(request)) is not None:
             return given
         messages, tools, template_kwargs = request.template_inputs()
         try:

@@ -12,7 +12,7 @@ import pytest
 
 from gateway.proxy.relay import SSERelay, UpstreamUnavailable, cached_tokens, forwarded_body, open_upstream
 from gateway.proxy.upstream import UpstreamPool
-from kvroute.openai_api.schema import ChatCompletionRequest, parse_request
+from kvroute.openai_api.schema import ChatCompletionRequest, CompletionRequest, parse_request
 from launcher.local_redis import free_port
 from tests.helpers.metrics import sample_value, scrape
 from tests.helpers.processes import ReplicaProcess
@@ -130,6 +130,20 @@ def test_forwarded_bodies_carry_the_gateways_prompt_ids(stream: bool, clients_ow
     assert client_asked is not stream
     sent = json.loads(body)
     assert sent.pop("kvroute_prompt_ids") == [1, 2, 3] and body.count(b'"kvroute_prompt_ids"') == 1
+    assert sent.pop("stream_options", None) == ({"include_usage": True} if stream else None)
+    assert sent == {key: value for key, value in payload.items() if key != "kvroute_prompt_ids"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_clients_own_prompt_ids_never_reach_the_replica(stream: bool) -> None:
+    """Where the gateway sends no ids of its own (a vLLM server, a prompt over the window), ids the
+    client put in the body are taken out: the replica would serve them in place of the prompt the
+    request was routed on."""
+    payload = {"model": "m", "prompt": "hi", "stream": stream, "kvroute_prompt_ids": [7, 7, 7]}
+    raw = json.dumps(payload).encode()
+    body, _ = forwarded_body(raw, parse_request(CompletionRequest, raw))
+    sent = json.loads(body)
+    assert "kvroute_prompt_ids" not in sent
     assert sent.pop("stream_options", None) == ({"include_usage": True} if stream else None)
     assert sent == {key: value for key, value in payload.items() if key != "kvroute_prompt_ids"}
 
