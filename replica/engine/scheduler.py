@@ -9,7 +9,9 @@ waiting sequences are admitted while there is budget, sequence slots and KV page
 where such short prefills finish, the chunks after them total no more than their tokens or a
 quarter of the budget: the step, and so their time to first token, stays short. When a decode
 cannot get a page, the youngest running sequence is preempted: its pages are released (full pages
-stay in the prefix cache) and it is recomputed later, usually hitting that cache.
+stay in the prefix cache) and it is recomputed later, usually hitting that cache. A waiting
+sequence whose next uncached page a prefill under way is computing (the same tokens up to there)
+waits until that page is in the cache: a prefix new to the cache is computed once.
 """
 
 from __future__ import annotations
@@ -174,11 +176,15 @@ class Scheduler:
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, fitting_only: bool = False) -> int:
         """Admits waiting sequences in arrival order while budget, slots and pages last; with
-        ``fitting_only``, only those expected to finish their prefill within ``budget``."""
+        ``fitting_only``, only those expected to finish their prefill within ``budget``. One whose
+        next uncached page a prefill under way is computing waits for it to reach the cache."""
+        prefilling = [seq for seq in self.running if seq.num_uncomputed > 1]
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
             if seq.wait_for is not None and not _prompt_cached(seq.wait_for):
+                continue
+            if prefilling and self._prefix_under_way(seq, prefilling):
                 continue
             if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget:
                 continue
@@ -193,6 +199,20 @@ class Scheduler:
             batch.prefills.append((seq, chunk))
             budget -= chunk
         return budget
+
+    def _prefix_under_way(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
+        """Whether one of ``prefilling`` has yet to compute the page that follows what the cache
+        holds of ``seq``'s prompt, and shares every token up to that page's end: two requests with
+        one new long prefix arriving together compute it once, the second taking it from the cache
+        (admitted beside the first, it would compute the same pages again in the same steps)."""
+        end = self.kv.cache.cached_prefix_tokens(seq.token_ids) + self.kv.page_size
+        if end > len(seq.token_ids) - 1:
+            return False  # that page would not be taken from the cache: admission leaves a token
+        head = seq.token_ids[:end]
+        return any(
+            other.num_computed < end <= len(other.token_ids) and other.token_ids[:end] == head
+            for other in prefilling
+        )
 
     def _fit_chunk(self, seq: Sequence, wanted: int) -> int:
         """The largest chunk up to ``wanted`` tokens whose pages can be had without preempting."""

@@ -270,7 +270,7 @@ def test_drain_takes_the_replica_out_and_waits_for_requests_in_flight(stack: Sta
         result = run_drain(stack, ADMIN_KEY, "--timeout", "30")
         # Read independently of the script, right after it returned: had it not waited, most of
         # the 3,500 tokens (over a second of decoding) would still be running.
-        assert engine_requests(stack.replicas[0].url) == 0
+        assert engine_requests(stack.replicas[0].url) == 0, result.stderr
         assert result.returncode == 0, result.stderr
         assert "drained" in result.stderr and drained(stack)
         assert finished.wait(30) and outcome == {"status": 200, "done": True}

@@ -197,6 +197,20 @@ def test_a_burst_takes_the_larger_prefill_budget(make_engine: EngineFactory) -> 
     engine.check_integrity()
 
 
+def test_a_prefix_new_to_the_cache_is_computed_once(make_engine: EngineFactory) -> None:
+    """Two prompts sharing a new 300-token prefix arrive together: the second waits while the
+    first computes the shared pages, then takes all 18 of them from the cache (admitted beside
+    the first's last chunk, it would compute the last two itself)."""
+    engine = make_engine(max_num_batched_tokens=64, max_prefill_step_tokens=128)
+    prefix = random_prompt(300, seed=90)
+    engine.add_request("first", [*prefix, *random_prompt(10, seed=91)], GREEDY)
+    engine.add_request("second", [*prefix, *random_prompt(10, seed=92)], GREEDY)
+    collected = run_all(engine)
+    assert collected.final["second"].cached_tokens == 288
+    assert collected.final["first"].cached_tokens == 0
+    engine.check_integrity()
+
+
 def test_requests_join_the_running_batch_at_step_boundaries(engine: LLMEngine) -> None:
     engine.add_request("a", random_prompt(20, seed=3), GREEDY)
     engine.step()
