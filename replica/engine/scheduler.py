@@ -184,9 +184,9 @@ class Scheduler:
                 break
             if seq.wait_for is not None and not _prompt_cached(seq.wait_for):
                 continue
-            if prefilling and self._prefix_under_way(seq, prefilling):
-                continue
             if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget:
+                continue
+            if prefilling and self._prefix_under_way(seq, prefilling):
                 continue
             self.kv.admit(seq)
             chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
@@ -205,13 +205,17 @@ class Scheduler:
         holds of ``seq``'s prompt, and shares every token up to that page's end: two requests with
         one new long prefix arriving together compute it once, the second taking it from the cache
         (admitted beside the first, it would compute the same pages again in the same steps)."""
-        end = self.kv.cache.cached_prefix_tokens(seq.token_ids) + self.kv.page_size
+        size = self.kv.page_size
+        sharing = [other for other in prefilling if other.token_ids[:size] == seq.token_ids[:size]]
+        if not sharing:  # the usual case, told without walking the cache
+            return False
+        end = self.kv.cache.cached_prefix_tokens(seq.token_ids) + size
         if end > len(seq.token_ids) - 1:
             return False  # that page would not be taken from the cache: admission leaves a token
         head = seq.token_ids[:end]
         return any(
             other.num_computed < end <= len(other.token_ids) and other.token_ids[:end] == head
-            for other in prefilling
+            for other in sharing
         )
 
     def _fit_chunk(self, seq: Sequence, wanted: int) -> int:
