@@ -197,6 +197,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.prefills.append((seq, chunk))
+            prefilling.append(seq)  # its pages reach the cache after this step: not for others in it
             budget -= chunk
         return budget
 

@@ -197,11 +197,13 @@ def test_a_burst_takes_the_larger_prefill_budget(make_engine: EngineFactory) -> 
     engine.check_integrity()
 
 
-def test_a_prefix_new_to_the_cache_is_computed_once(make_engine: EngineFactory) -> None:
+@pytest.mark.parametrize("budget", [64, 1024])
+def test_a_prefix_new_to_the_cache_is_computed_once(make_engine: EngineFactory, budget: int) -> None:
     """Two prompts sharing a new 300-token prefix arrive together: the second waits while the
-    first computes the shared pages, then takes all 18 of them from the cache (admitted beside
-    the first's last chunk, it would compute the last two itself)."""
-    engine = make_engine(max_num_batched_tokens=64, max_prefill_step_tokens=128)
+    first computes the shared pages, then takes all 18 of them from the cache. Admitted beside
+    the first's last chunk (a small budget) it would compute the last two itself; in the first's
+    only step (a budget both fit in), all of them."""
+    engine = make_engine(max_num_batched_tokens=budget, max_prefill_step_tokens=2 * budget)
     prefix = random_prompt(300, seed=90)
     engine.add_request("first", [*prefix, *random_prompt(10, seed=91)], GREEDY)
     engine.add_request("second", [*prefix, *random_prompt(10, seed=92)], GREEDY)
