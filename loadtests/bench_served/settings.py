@@ -36,6 +36,7 @@ NUM_PREFIXES = 4
 PREFIX_SUFFIX_LEN = 32
 PREFIX_OUTPUT_LEN = 8
 PREFIX_CONCURRENCY = 2
+PREFIX_PASSES = 2  # the prefix case runs whole: two passes a server, taking turns with the others'
 WARMUP_REQUESTS = 2
 
 # Targets.
