@@ -168,8 +168,6 @@ class LLMEngine:
         if max(prompt_token_ids) >= self.model_config.vocab_size or min(prompt_token_ids) < 0:
             raise ValueError(f"token ids must be in [0, {self.model_config.vocab_size})")
         seqs = [self._new_sequence(request_id, i, prompt_token_ids, params, source) for i in range(params.n)]
-        for seq in seqs[1:]:
-            seq.wait_for = seqs[0]
         for seq in seqs:
             self.scheduler.add(seq)
         self._requests[request_id] = _Request(request_id, seqs, len(prompt_token_ids))

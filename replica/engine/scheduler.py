@@ -11,7 +11,8 @@ quarter of the budget: the step, and so their time to first token, stays short. 
 cannot get a page, the youngest running sequence is preempted: its pages are released (full pages
 stay in the prefix cache) and it is recomputed later, usually hitting that cache. A waiting
 sequence whose next uncached page a prefill under way is computing (the same tokens up to there)
-waits until that page is in the cache: a prefix new to the cache is computed once.
+waits until that page is in the cache: a prefix new to the cache is computed once, and the
+choices of an n > 1 request share their prompt's pages.
 """
 
 from __future__ import annotations
@@ -182,8 +183,6 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if seq.wait_for is not None and not _prompt_cached(seq.wait_for):
-                continue
             if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget:
                 continue
             if prefilling and self._prefix_under_way(seq, prefilling):
@@ -240,8 +239,3 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         self._queue(seq, self.waiting.appendleft)
         self.num_preemptions += 1
-
-
-def _prompt_cached(first: Sequence) -> bool:
-    """True once the first choice's prompt K/V is written (and its full pages are in the tree)."""
-    return first.is_finished or first.num_computed >= first.num_prompt_tokens

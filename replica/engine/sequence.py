@@ -52,8 +52,6 @@ class Sequence:
         self.num_computed = 0
         self.num_cached_tokens: int | None = None  # prompt tokens hit in the cache at first admission
         self.expected_cached_tokens = 0  # while waiting: what the cache held when it was queued
-        # n > 1: wait until the first choice's prompt pages are in the cache, then share them
-        self.wait_for: Sequence | None = None
         # output not yet handed to the client
         self.pending_token_ids: list[int] = []
         self.pending_logprobs: list[TokenLogprob] = []
