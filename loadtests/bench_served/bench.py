@@ -168,6 +168,16 @@ def blocks(workload: Workload, concurrency: int) -> list[Workload]:
     ]
 
 
+def turn_order(names: list[str], turn: int, number: int, whole: bool) -> list[str]:
+    """Who goes when in the ``number``-th turn of the ``turn``-th case. A case in waves rotates
+    the order from wave to wave, so each server goes first as often as the others. A whole case's
+    passes take one rotation, then the same backwards: rotated alone, every pass of the prefix case
+    put the gateway right after the replica it stands in front of, in the same place each time."""
+    shift = (turn + (0 if whole else number)) % len(names)
+    order = names[shift:] + names[:shift]
+    return order[::-1] if whole and number % 2 else order
+
+
 def measure(s: Settings) -> Measurement:
     """Every case on every server (and the decode cases in-process), the servers taking turns in a
     rotating order, each turn starting from an empty prefix cache."""
@@ -202,10 +212,10 @@ def measure(s: Settings) -> Measurement:
             progress(
                 f"{case}: {workload.num_requests} requests, concurrency {concurrency}, on {', '.join(names)}"
             )
-            turns = [workload] * PREFIX_PASSES if case in WHOLE_CASES else blocks(workload, concurrency)
+            whole = case in WHOLE_CASES
+            turns = [workload] * PREFIX_PASSES if whole else blocks(workload, concurrency)
             for number, block in enumerate(turns):
-                shift = (turn + number) % len(names)
-                for who in names[shift:] + names[:shift]:
+                for who in turn_order(names, turn, number, whole):
                     if who != IN_PROCESS:
                         empty_prefix_cache(cache_urls[who])
                     waits.append(wait_for_quiet_cores())
