@@ -32,6 +32,7 @@ from gateway.health import HealthChecks
 from gateway.index.mirror import IndexMirror
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import GENERATION_PATHS, Pipeline
+from gateway.priority import raise_priority
 from gateway.proxy.upstream import UpstreamPool
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
@@ -158,9 +159,11 @@ def run_gateway(
     port: int,
     log_level: str = "info",
     limits: ServerLimits = DEFAULT_LIMITS,
+    nice: int = 0,
 ) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())
+    raise_priority(nice)
     app = build_app(settings)
     log.info(
         "gateway at http://%s:%d/v1 (policy %s, index from %s)",

@@ -8,6 +8,7 @@ import argparse
 import sys
 from dataclasses import dataclass
 
+from gateway.priority import DEFAULT_NICE
 from gateway.settings import GatewaySettings
 from kvroute.http import RequestLimits
 from kvroute.http_server import ServerLimits
@@ -16,11 +17,18 @@ from kvroute.settings import HOST_HELP, LOG_LEVEL_HELP, add_command, add_options
 
 @dataclass
 class GatewayServer:
-    """Where the gateway listens and how much it logs: ``run_gateway``'s arguments beside its settings."""
+    """Where the gateway listens, how much it logs and at what CPU priority it runs: ``run_gateway``'s
+    arguments beside its settings."""
 
     host: str = option("127.0.0.1", "--host", HOST_HELP)
     port: int = option(8000, "--port", "port to listen on")
     log_level: str = option("info", "--log-level", LOG_LEVEL_HELP)
+    nice: int = option(
+        DEFAULT_NICE,
+        "--nice",
+        "nice value to run at, where the system allows it (root or CAP_SYS_NICE; else the current one"
+        " stays): ahead of replicas on the same cores, requests do not wait for their threads",
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -55,4 +63,6 @@ def run(args: argparse.Namespace) -> None:
     from gateway.app import run_gateway
 
     server: GatewayServer = from_args(GatewayServer, args)
-    run_gateway(settings, server.host, server.port, server.log_level, from_args(ServerLimits, args))
+    run_gateway(
+        settings, server.host, server.port, server.log_level, from_args(ServerLimits, args), server.nice
+    )

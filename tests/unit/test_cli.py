@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from gateway.priority import DEFAULT_NICE
 from gateway.settings import GatewaySettings
 from kvroute.http_server import ServerLimits
 from kvroute.protocol import default_advertise_url, replica_id_for
@@ -120,7 +121,7 @@ def test_gateway_keys_come_from_flags_else_the_environment(
 ) -> None:
     import gateway.app
 
-    runs: list[tuple[GatewaySettings, str, int, str, ServerLimits]] = []
+    runs: list[tuple[GatewaySettings, str, int, str, ServerLimits, int]] = []
     no_key_env.setattr(gateway.app, "run_gateway", lambda *args: runs.append(args))
     no_key_env.setenv("KVROUTE_API_KEYS", " k1, k2,,k1")
     no_key_env.setenv("KVROUTE_ADMIN_KEY", "admin")
@@ -136,10 +137,13 @@ def test_gateway_keys_come_from_flags_else_the_environment(
             "--admin-key",
             "a2",
             "--metrics-key-required",
+            "--nice",
+            "0",
         ]
     )
-    (first, host, port, level, limits), (second, *_) = runs
+    (first, host, port, level, limits, nice), (second, *_, second_nice) = runs
     assert limits == ServerLimits()
+    assert (nice, second_nice) == (DEFAULT_NICE, 0)
     assert (first.api_keys, first.admin_key, first.replica_key) == (("k1", "k2"), "admin", "rk")
     assert (first.replicas, first.redis_url, host, port, level) == (
         ("http://r:1",),
