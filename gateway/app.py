@@ -32,7 +32,7 @@ from gateway.health import HealthChecks
 from gateway.index.mirror import IndexMirror
 from gateway.metrics import GatewayMetrics
 from gateway.pipeline import GENERATION_PATHS, Pipeline
-from gateway.priority import raise_priority
+from gateway.priority import DEFAULT_NICE, raise_priority
 from gateway.proxy.upstream import UpstreamPool
 from gateway.routing import Router
 from gateway.settings import GatewaySettings
@@ -159,7 +159,7 @@ def run_gateway(
     port: int,
     log_level: str = "info",
     limits: ServerLimits = DEFAULT_LIMITS,
-    nice: int = 0,
+    nice: int = DEFAULT_NICE,
 ) -> None:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger().setLevel(log_level.upper())

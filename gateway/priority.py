@@ -15,17 +15,16 @@ log = logging.getLogger(__name__)
 DEFAULT_NICE = -10
 
 
-def raise_priority(nice: int) -> int:
+def raise_priority(nice: int) -> None:
     """Lowers the calling thread's nice value to ``nice`` where the system lets it (root or
     CAP_SYS_NICE), before the server starts its threads, which inherit it; a value at or above the
-    current one is left alone. Returns the nice value the thread runs at."""
+    current one is left alone."""
     current = os.getpriority(os.PRIO_PROCESS, 0)  # on Linux, the calling thread's
     if nice >= current:
-        return current
+        return
     try:
         os.setpriority(os.PRIO_PROCESS, 0, nice)
     except PermissionError:
         log.info("running at nice %d: nice %d needs root or CAP_SYS_NICE", current, nice)
-        return current
-    log.info("running at nice %d, ahead of the replicas' threads on shared cores", nice)
-    return nice
+    else:
+        log.info("running at nice %d, ahead of the replicas' threads on shared cores", nice)
