@@ -12,7 +12,9 @@ cannot get a page, the youngest running sequence is preempted: its pages are rel
 stay in the prefix cache) and it is recomputed later, usually hitting that cache. A waiting
 sequence whose next uncached page a prefill under way is computing (the same tokens up to there)
 waits until that page is in the cache: a prefix new to the cache is computed once, and the
-choices of an n > 1 request share their prompt's pages.
+choices of an n > 1 request share their prompt's pages. A chunk that would leave a prompt no
+more than a sixteenth of the step budget takes that tail too: the step grows by a few per cent,
+where the tail would cost the request a whole further step before its first token.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.token_budget = max_num_batched_tokens
         self.prefill_step_budget = max(max_num_batched_tokens, max_prefill_step_tokens)
+        self.tail_slack = max_num_batched_tokens // 16  # a prompt's tail this short goes in its chunk
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is the first to preempt
         self.num_preemptions = 0
@@ -169,10 +172,10 @@ class Scheduler:
         for seq in [s for s in self.running if s.num_uncomputed > 1 and id(s) not in admitted]:
             if budget == 0:
                 break
-            chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
+            chunk = self._fit_chunk(seq, self._wanted_chunk(seq, budget))
             if chunk:
                 batch.prefills.append((seq, chunk))
-                budget -= chunk
+                budget = max(0, budget - chunk)
         return budget
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int, fitting_only: bool = False) -> int:
@@ -183,12 +186,12 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget:
+            if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget + self.tail_slack:
                 continue
             if prefilling and self._prefix_under_way(seq, prefilling):
                 continue
             self.kv.admit(seq)
-            chunk = self._fit_chunk(seq, min(seq.num_uncomputed, budget))
+            chunk = self._fit_chunk(seq, self._wanted_chunk(seq, budget))
             if not chunk:
                 self.kv.release(seq)
                 break
@@ -197,7 +200,7 @@ class Scheduler:
             self.running.append(seq)
             batch.prefills.append((seq, chunk))
             prefilling.append(seq)  # its pages reach the cache after this step: not for others in it
-            budget -= chunk
+            budget = max(0, budget - chunk)
         return budget
 
     def _prefix_under_way(self, seq: Sequence, prefilling: list[Sequence]) -> bool:
@@ -217,6 +220,13 @@ class Scheduler:
             other.num_computed < end <= len(other.token_ids) and other.token_ids[:end] == head
             for other in sharing
         )
+
+    def _wanted_chunk(self, seq: Sequence, budget: int) -> int:
+        """``budget`` tokens of the prompt, or all that is left of it when that exceeds ``budget`` by
+        no more than ``tail_slack``. Eight 128-token prompts in a 1,024-token step beside one decode
+        would otherwise leave the eighth a single token, and its first token a whole step later."""
+        left = seq.num_uncomputed
+        return left if left <= budget + self.tail_slack else budget
 
     def _fit_chunk(self, seq: Sequence, wanted: int) -> int:
         """The largest chunk up to ``wanted`` tokens whose pages can be had without preempting."""

@@ -197,6 +197,26 @@ def test_a_burst_takes_the_larger_prefill_budget(make_engine: EngineFactory) -> 
     engine.check_integrity()
 
 
+def test_a_chunk_takes_a_prompts_short_tail_with_it(make_engine: EngineFactory) -> None:
+    """A chunk that would leave a prompt no more than a sixteenth of the budget (4 of 64 tokens)
+    takes that tail too, so its first token does not wait a whole step more; a longer tail waits."""
+    engine = make_engine(max_num_batched_tokens=64, max_prefill_step_tokens=64)
+    engine.add_request("decoding", random_prompt(10, seed=120), GREEDY)
+    engine.step()
+
+    def first_tokens() -> set[str]:
+        return {out.request_id for out in engine.step() for delta in out.deltas if delta.token_ids}
+
+    engine.add_request("one over", random_prompt(64, seed=121), GREEDY)  # 63 tokens of budget left
+    assert first_tokens() == {"decoding", "one over"}
+    engine.add_request("five over", random_prompt(62 + 5, seed=122), GREEDY)  # two decodes: 62 left
+    five_over = engine.scheduler.waiting[0]
+    assert first_tokens() == {"decoding", "one over"}
+    assert five_over.num_computed == 62
+    run_all(engine)
+    engine.check_integrity()
+
+
 @pytest.mark.parametrize("budget", [64, 1024])
 def test_a_prefix_new_to_the_cache_is_computed_once(make_engine: EngineFactory, budget: int) -> None:
     """Two prompts sharing a new 300-token prefix arrive together: the second waits while the
