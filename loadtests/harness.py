@@ -28,6 +28,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from kvroute.settings import HelpFormatter
 from loadtests.options import Sizes
 
 BUSY_LOAD = 0.5  # 1-minute load average above which other processes would skew the numbers
@@ -137,7 +138,9 @@ class ComponentBenchmark(Generic[SettingsT]):
 
     def parser(self) -> argparse.ArgumentParser:
         prog = f"python -m loadtests.{self.name}"
-        parser = argparse.ArgumentParser(prog=prog, description=self.description)
+        parser = argparse.ArgumentParser(
+            prog=prog, description=self.description, formatter_class=HelpFormatter
+        )
         if self.add_options is not None:
             self.add_options(parser)
         self.sizes.add_options(parser, out=f"results/{self.name}.json")

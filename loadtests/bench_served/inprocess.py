@@ -12,8 +12,8 @@ from replica.engine.sampling_params import SamplingParams
 
 
 class InProcessEngine:
-    def __init__(self, model: str, threads: int, dtype: str, temperature: float) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, dtype=dtype, threads=threads))
+    def __init__(self, config: EngineConfig, temperature: float) -> None:
+        self.engine = LLMEngine(config)
         self.temperature = temperature
         self._next_id = 0
 

@@ -19,9 +19,12 @@ from loadtests.vllm_server import VLLM_START_TIMEOUT, vllm_service
 
 
 def replica_command(s: Settings, port: int, name: str) -> list[str]:
+    """``kvroute replica`` on the settings the in-process engine also takes (``Settings.engine_config``)."""
     return kvroute_command(
         "replica", port, "--model", s.model, "--served-model-name", name,
         "--dtype", s.dtype, "--threads", str(s.threads),
+        "--max-num-batched-tokens", str(s.max_num_batched_tokens),
+        "--max-prefill-step-tokens", str(s.max_prefill_step_tokens),
     )  # fmt: skip
 
 

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loadtests.harness import reporter
+from replica.engine.config import EngineConfig
 
 BENCH = "bench_served"
+# The replica's options a run may set (its step budgets): the served replica and the in-process
+# engine both take them; vLLM keeps its own.
+ENGINE_OPTIONS = ("max_num_batched_tokens", "max_prefill_step_tokens")
 progress = reporter(BENCH)
 
 # Sizes of a full run and of a --quick smoke run; explicit options override either.
@@ -69,3 +73,15 @@ class Settings:
     dtype: str  # both servers' and the in-process engine's
     temperature: float  # every request's; 0: greedy
     out: str
+    max_num_batched_tokens: int  # the replica's step budgets, served and in-process alike
+    max_prefill_step_tokens: int
+
+    def engine_config(self) -> EngineConfig:
+        """The in-process engine's settings: the served replica's (``servers.replica_command``)."""
+        return EngineConfig(
+            model=self.model,
+            dtype=self.dtype,
+            threads=self.threads,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_prefill_step_tokens=self.max_prefill_step_tokens,
+        )

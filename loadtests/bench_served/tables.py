@@ -88,7 +88,9 @@ def preamble(report: dict[str, Any]) -> list[str]:
         f"Served speed, {s['model']} {s['dtype']}, {s['threads']} threads, {sampling}:"
         f" random {s['input_len']}-token prompts with {s['output_len']} tokens out (ignore EOS),"
         f" prefix repetition (4 x {s['prefix_len']}-token"
-        f" prefixes, 32-token suffix, 8 out), cold {s['cold_len']}-token prefills; {vllm}.",
+        f" prefixes, 32-token suffix, 8 out), cold {s['cold_len']}-token prefills; {vllm}."
+        f" The replica's steps: {s['max_num_batched_tokens']} tokens,"
+        f" {s['max_prefill_step_tokens']} in a burst.",
         f"Targets: kvroute / vLLM ≥ {VS_VLLM_TARGET:g} (TTFT ≤), served / in-process ≥ {VS_ENGINE_TARGET:g},"
         f" gateway / direct within {1 - GATEWAY_TARGET:.0%}.",
     ]

@@ -43,16 +43,20 @@ def test_quick_run_without_vllm(llama_dir: Path, tmp_path: Path, capsys: pytest.
 
 
 def test_quick_sampled_run(llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A ``--temperature 1`` run completes every request on every server and names its sampling.
-    (The tiny random model's sampled tokens may hold no text, so times to the first text are not
-    checked here.)"""
+    """A ``--temperature 1`` run with other step budgets completes every request on every server
+    and names its sampling and budgets. (The tiny random model's sampled tokens may hold no text,
+    so times to the first text are not checked here.)"""
     out = tmp_path / "bench_served.json"
     argv = ["--quick", "--vllm", "none", "--model", str(llama_dir), "--out", str(out), "--temperature", "1"]
+    argv += ["--max-num-batched-tokens", "64", "--max-prefill-step-tokens", "256"]
     assert bench_served.main(argv) == 0
 
     report = json.loads(out.read_text())
     assert report["settings"]["temperature"] == 1.0
+    assert report["settings"]["max_num_batched_tokens"] == 64
     for server in report["results"].values():
         for case in server.values():
             assert case["failed"] == 0 and case["completed"] > 0 and case["output_tok_s"] > 0
-    assert "2 threads, sampled at temperature 1:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "2 threads, sampled at temperature 1:" in printed
+    assert "The replica's steps: 64 tokens, 256 in a burst." in printed
