@@ -69,7 +69,7 @@ def _panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | No
         rows = rows.to(torch.float32).contiguous()
     columns = panels.shape[0] * _PANEL
     out = rows.new_empty(rows.shape[0], columns)
-    library.gemm_f32(
+    ran = library.gemm_f32(
         rows.data_ptr(),
         rows.stride(0),
         panels.data_ptr(),
@@ -80,6 +80,7 @@ def _panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | No
         width,
         torch.get_num_threads(),
     )
+    assert ran, "gemm.cpp left the panels' product undone"  # it runs wherever it packed them
     return out.view(*x.shape[:-1], columns)
 
 
