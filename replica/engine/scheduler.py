@@ -186,7 +186,7 @@ class Scheduler:
         for seq in list(self.waiting):
             if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
-            if fitting_only and seq.num_uncomputed - seq.expected_cached_tokens > budget + self.tail_slack:
+            if fitting_only and not self._finishes(seq.num_uncomputed - seq.expected_cached_tokens, budget):
                 continue
             if prefilling and self._prefix_under_way(seq, prefilling):
                 continue
@@ -221,12 +221,17 @@ class Scheduler:
             for other in sharing
         )
 
+    def _finishes(self, left: int, budget: int) -> bool:
+        """Whether a prompt with ``left`` tokens to compute takes them all in a step with ``budget``
+        tokens to give: up to ``tail_slack`` over it. Eight 128-token prompts in a 1,024-token step
+        beside one decode would otherwise leave the eighth a single token, and its first token a
+        whole step later."""
+        return left <= budget + self.tail_slack
+
     def _wanted_chunk(self, seq: Sequence, budget: int) -> int:
-        """``budget`` tokens of the prompt, or all that is left of it when that exceeds ``budget`` by
-        no more than ``tail_slack``. Eight 128-token prompts in a 1,024-token step beside one decode
-        would otherwise leave the eighth a single token, and its first token a whole step later."""
+        """All that is left of the prompt where it finishes in this step, else ``budget`` tokens."""
         left = seq.num_uncomputed
-        return left if left <= budget + self.tail_slack else budget
+        return left if self._finishes(left, budget) else budget
 
     def _fit_chunk(self, seq: Sequence, wanted: int) -> int:
         """The largest chunk up to ``wanted`` tokens whose pages can be had without preempting."""
