@@ -4,6 +4,7 @@ every server alike."""
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,10 +13,12 @@ from pathlib import Path
 
 import httpx
 
+from kvroute.settings import to_argv
 from launcher.local_redis import free_port
-from loadtests.bench_served.settings import Settings, progress
+from loadtests.bench_served.settings import ENGINE_OPTIONS, Settings, progress
 from loadtests.services import Service, gateway_sees_replica, health_ok, kvroute_command
 from loadtests.vllm_server import VLLM_START_TIMEOUT, vllm_service
+from replica.engine.config import EngineConfig
 
 
 def replica_command(s: Settings, port: int, name: str) -> list[str]:
@@ -23,8 +26,7 @@ def replica_command(s: Settings, port: int, name: str) -> list[str]:
     return kvroute_command(
         "replica", port, "--model", s.model, "--served-model-name", name,
         "--dtype", s.dtype, "--threads", str(s.threads),
-        "--max-num-batched-tokens", str(s.max_num_batched_tokens),
-        "--max-prefill-step-tokens", str(s.max_prefill_step_tokens),
+        *to_argv(EngineConfig, argparse.Namespace(**s.engine_options()), ENGINE_OPTIONS),
     )  # fmt: skip
 
 

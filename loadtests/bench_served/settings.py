@@ -76,12 +76,10 @@ class Settings:
     max_num_batched_tokens: int  # the replica's step budgets, served and in-process alike
     max_prefill_step_tokens: int
 
+    def engine_options(self) -> dict[str, int]:
+        """The values of ``ENGINE_OPTIONS``, by the replica's field names."""
+        return {name: getattr(self, name) for name in ENGINE_OPTIONS}
+
     def engine_config(self) -> EngineConfig:
         """The in-process engine's settings: the served replica's (``servers.replica_command``)."""
-        return EngineConfig(
-            model=self.model,
-            dtype=self.dtype,
-            threads=self.threads,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_prefill_step_tokens=self.max_prefill_step_tokens,
-        )
+        return EngineConfig(model=self.model, dtype=self.dtype, threads=self.threads, **self.engine_options())
